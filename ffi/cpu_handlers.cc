@@ -1,0 +1,318 @@
+// CPU XLA FFI handlers: the exact reference implementation of NVFP4
+// quantize, amax and dequantize. Straightforward loops over the arithmetic of
+// nvfp4_numerics.h; the CUDA kernels compute the same bytes.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "handler_common.h"
+#include "nvfp4_numerics.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_nvfp4 {
+namespace {
+
+float LoadAsFloat(const void* data, ffi::DataType type, int64_t i) {
+  switch (type) {
+    case ffi::DataType::BF16:
+      return Bfloat16BitsToFloat(static_cast<const uint16_t*>(data)[i]);
+    case ffi::DataType::F16:
+      return Float16BitsToFloat(static_cast<const uint16_t*>(data)[i]);
+    default:
+      return static_cast<const float*>(data)[i];
+  }
+}
+
+// The [rows, len] float matrix that one output quantizes along len: x[b] for
+// a row-wise output, x[b] transposed for a column-wise one; with the Random
+// Hadamard Transform applied to each 16-chunk along len when asked.
+std::vector<float> OrientedMatrix(const ffi::AnyBuffer& x, int64_t b,
+                                  const MatrixDims& d, bool transpose,
+                                  bool rht) {
+  const int64_t rows = transpose ? d.k : d.m;
+  const int64_t len = transpose ? d.m : d.k;
+  const void* data = x.untyped_data();
+  const int64_t base = b * d.m * d.k;
+  std::vector<float> q(rows * len);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t l = 0; l < len; ++l) {
+      const int64_t src = transpose ? l * d.k + r : r * d.k + l;
+      q[r * len + l] = LoadAsFloat(data, x.element_type(), base + src);
+    }
+  }
+  if (rht) {
+    for (int64_t c = 0; c < rows * len; c += kBlock) {
+      float y[kBlock];
+      RandomHadamard16(&q[c], y);
+      std::copy(y, y + kBlock, &q[c]);
+    }
+  }
+  return q;
+}
+
+// Quantizes one [rows, len] matrix along len into codes [rows, len/2] and
+// E4M3 scale bytes [rows, len/16]. `index_base` is the flat index of q[0][0]
+// in the whole quantized tensor (for the stochastic-rounding counter).
+void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
+                    uint32_t key0, uint32_t key1,
+                    const QuantizeOptions& options, uint64_t index_base,
+                    uint8_t* codes, uint8_t* scales) {
+  const GlobalScale g = GlobalScaleFromAmax(amax);
+  const int64_t blocks = len / kBlock;
+  const int64_t tile = options.tile_rows;
+  for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      float block_amax = 0.0f;
+      for (int64_t r = r0; r < r0 + tile; ++r) {
+        for (int i = 0; i < kBlock; ++i) {
+          block_amax = fmaxf(block_amax, fabsf(q[r * len + kb * kBlock + i]));
+        }
+      }
+      const float scale = BlockScale(block_amax, g);
+      const float multiplier = BlockEncodeMultiplier(scale, g);
+      const uint8_t scale_byte = E4M3Encode(scale);
+      for (int64_t r = r0; r < r0 + tile; ++r) {
+        const uint64_t first = index_base + r * len + kb * kBlock;
+        uint64_t random_lo = 0, random_hi = 0;
+        if (options.stochastic) {
+          const uint32_t stream = static_cast<uint32_t>(options.stream);
+          random_lo = RandomBytes8(key0, key1, stream, first / 8);
+          random_hi = RandomBytes8(key0, key1, stream, first / 8 + 1);
+        }
+        const uint64_t packed =
+            EncodeBlock16(&q[r * len + kb * kBlock], multiplier,
+                          options.stochastic, random_lo, random_hi);
+        for (int byte = 0; byte < 8; ++byte) {
+          codes[r * (len / 2) + kb * 8 + byte] =
+              static_cast<uint8_t>(packed >> (8 * byte));
+        }
+        scales[r * blocks + kb] = scale_byte;
+      }
+    }
+  }
+}
+
+// Quantizes every batch item of x [batch, m, k] into one output.
+ffi::Error QuantizeOutput(const ffi::AnyBuffer& x, bool transpose,
+                          const ffi::Buffer<ffi::F32>& amax,
+                          const ffi::Buffer<ffi::U32>& key,
+                          const QuantizeOptions& options,
+                          ffi::Result<ffi::Buffer<ffi::U8>>& codes,
+                          ffi::Result<ffi::AnyBuffer>& scales) {
+  if (!IsSupportedInputType(x.element_type())) {
+    return InvalidArgument("input must be float32, bfloat16 or float16");
+  }
+  MatrixDims d;
+  if (!Rank3Dims(x, &d)) return InvalidArgument("expected a rank-3 input");
+  const int64_t rows = transpose ? d.k : d.m;
+  const int64_t len = transpose ? d.m : d.k;
+  if (auto e = CheckQuantizeOperands(d.batch, rows, len, options, amax, key);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = CheckOutputSizes(d.batch, rows, len, codes, scales);
+      e.failure()) {
+    return e;
+  }
+  const int64_t n_amax = amax.element_count();
+  const int64_t n_key = key.element_count() / 2;
+  uint8_t* code_data = codes->typed_data();
+  uint8_t* scale_data = static_cast<uint8_t*>(scales->untyped_data());
+  for (int64_t b = 0; b < d.batch; ++b) {
+    const std::vector<float> q = OrientedMatrix(x, b, d, transpose, options.rht);
+    const int64_t a = b / (d.batch / n_amax);
+    const int64_t kk = b / (d.batch / n_key);
+    QuantizeMatrix(q.data(), rows, len, amax.typed_data()[a],
+                   key.typed_data()[2 * kk], key.typed_data()[2 * kk + 1],
+                   options, static_cast<uint64_t>(b * rows * len),
+                   code_data + b * rows * (len / 2),
+                   scale_data + b * rows * (len / 16));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeRowsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
+                            ffi::Buffer<ffi::U32> key,
+                            ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                            ffi::Result<ffi::AnyBuffer> scales,
+                            int64_t tile_rows, bool stochastic, bool rht,
+                            int64_t stream) {
+  const QuantizeOptions options{tile_rows, stochastic, rht, stream};
+  return QuantizeOutput(x, /*transpose=*/false, amax, key, options, codes,
+                        scales);
+}
+
+ffi::Error QuantizeColsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
+                            ffi::Buffer<ffi::U32> key,
+                            ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                            ffi::Result<ffi::AnyBuffer> scales,
+                            int64_t tile_rows, bool stochastic, bool rht,
+                            int64_t stream) {
+  const QuantizeOptions options{tile_rows, stochastic, rht, stream};
+  return QuantizeOutput(x, /*transpose=*/true, amax, key, options, codes,
+                        scales);
+}
+
+ffi::Error QuantizeRowsColsImpl(
+    ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
+    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
+    ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
+    ffi::Result<ffi::AnyBuffer> row_scales,
+    ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
+    ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
+    bool row_stochastic, bool row_rht, int64_t row_stream,
+    int64_t col_tile_rows, bool col_stochastic, bool col_rht,
+    int64_t col_stream) {
+  const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
+                             row_stream};
+  const QuantizeOptions cols{col_tile_rows, col_stochastic, col_rht,
+                             col_stream};
+  if (auto e = QuantizeOutput(x, false, row_amax, key, rows, row_codes,
+                              row_scales);
+      e.failure()) {
+    return e;
+  }
+  return QuantizeOutput(x, true, col_amax, key, cols, col_codes, col_scales);
+}
+
+// amax[b] = (max |x[b]|, max |bf16(RHT(x[b]))|) with the transform along
+// axis `rht_axis` (1: m, 2: k); NaN ignored.
+ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                    int64_t rht_axis) {
+  if (!IsSupportedInputType(x.element_type())) {
+    return InvalidArgument("input must be float32, bfloat16 or float16");
+  }
+  MatrixDims d;
+  if (!Rank3Dims(x, &d)) return InvalidArgument("expected a rank-3 input");
+  if (rht_axis != 1 && rht_axis != 2) return InvalidArgument("rht_axis is 1 or 2");
+  if ((rht_axis == 1 ? d.m : d.k) % kBlock != 0) {
+    return InvalidArgument("the transformed axis must be a multiple of 16");
+  }
+  if (out->element_count() != 2 * d.batch) {
+    return InvalidArgument("output must be [batch, 2]");
+  }
+  for (int64_t b = 0; b < d.batch; ++b) {
+    const std::vector<float> q =
+        OrientedMatrix(x, b, d, /*transpose=*/rht_axis == 1, /*rht=*/false);
+    float plain = 0.0f, transformed = 0.0f;
+    for (size_t c = 0; c < q.size(); c += kBlock) {
+      float y[kBlock];
+      RandomHadamard16(&q[c], y);
+      for (int i = 0; i < kBlock; ++i) {
+        plain = fmaxf(plain, fabsf(q[c + i]));
+        transformed = fmaxf(transformed, fabsf(y[i]));
+      }
+    }
+    out->typed_data()[2 * b] = plain;
+    out->typed_data()[2 * b + 1] = transformed;
+  }
+  return ffi::Error::Success();
+}
+
+// out[b, r, l] = e2m1(code) * s_b * amax / 2688, as float32 or bfloat16.
+ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
+                          ffi::Buffer<ffi::F32> amax,
+                          ffi::Result<ffi::AnyBuffer> out) {
+  const auto dims = out->dimensions();
+  if (dims.size() != 3) return InvalidArgument("expected a rank-3 output");
+  const int64_t batch = dims[0], rows = dims[1], len = dims[2];
+  const int64_t n_amax = amax.element_count();
+  if (len % kBlock != 0 || codes.element_count() != batch * rows * len / 2 ||
+      scales.element_count() != batch * rows * len / kBlock ||
+      scales.element_type() != ffi::DataType::F8E4M3FN || n_amax < 1 ||
+      batch % n_amax != 0) {
+    return InvalidArgument("dequantize operands have inconsistent shapes");
+  }
+  const ffi::DataType out_type = out->element_type();
+  if (out_type != ffi::DataType::F32 && out_type != ffi::DataType::BF16) {
+    return InvalidArgument("dequantize output must be float32 or bfloat16");
+  }
+  const uint8_t* scale_bytes = static_cast<const uint8_t*>(scales.untyped_data());
+  const uint8_t* code_bytes = codes.typed_data();
+  for (int64_t b = 0; b < batch; ++b) {
+    const float a = amax.typed_data()[b / (batch / n_amax)];
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t l = 0; l < len; ++l) {
+        const int64_t flat = (b * rows + r) * len + l;
+        const float multiplier = BlockDecodeMultiplier(
+            E4M3Decode(scale_bytes[flat / kBlock]), a);
+        const uint32_t code = (code_bytes[flat / 2] >> (4 * (flat & 1))) & 0xF;
+        const float value = E2M1Decode(code) * multiplier;
+        if (out_type == ffi::DataType::F32) {
+          static_cast<float*>(out->untyped_data())[flat] = value;
+        } else {
+          static_cast<uint16_t*>(out->untyped_data())[flat] =
+              FloatToBfloat16Bits(value);
+        }
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_nvfp4
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsCpu,
+                              jax_nvfp4::QuantizeRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // x [b, m, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // codes
+                                  .Ret<ffi::AnyBuffer>()         // e4m3 scales
+                                  .Attr<int64_t>("tile_rows")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("rht")
+                                  .Attr<int64_t>("stream"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeColsCpu,
+                              jax_nvfp4::QuantizeColsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // x [b, m, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // codes [b,k,m/2]
+                                  .Ret<ffi::AnyBuffer>()         // scales [b,k,m/16]
+                                  .Attr<int64_t>("tile_rows")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("rht")
+                                  .Attr<int64_t>("stream"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsColsCpu,
+                              jax_nvfp4::QuantizeRowsColsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // x [b, m, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // row amax
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // col amax
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2]
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // row codes
+                                  .Ret<ffi::AnyBuffer>()         // row scales
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // col codes
+                                  .Ret<ffi::AnyBuffer>()         // col scales
+                                  .Attr<int64_t>("row_tile_rows")
+                                  .Attr<bool>("row_stochastic")
+                                  .Attr<bool>("row_rht")
+                                  .Attr<int64_t>("row_stream")
+                                  .Attr<int64_t>("col_tile_rows")
+                                  .Attr<bool>("col_stochastic")
+                                  .Attr<bool>("col_rht")
+                                  .Attr<int64_t>("col_stream"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4AmaxCpu, jax_nvfp4::AmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()         // x [b, m, k]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // [b, 2]
+                                  .Attr<int64_t>("rht_axis"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4DequantizeCpu,
+                              jax_nvfp4::DequantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes
+                                  .Arg<ffi::AnyBuffer>()         // e4m3 scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]
+                                  .Ret<ffi::AnyBuffer>());       // [b, r, l]

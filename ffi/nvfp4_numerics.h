@@ -1,0 +1,367 @@
+// NVFP4 numerics: the single source of the rounding and scaling arithmetic.
+//
+// Every function here is used unchanged by the CPU handlers and the CUDA
+// kernels; the pure-JAX reference (jax_nvfp4/reference.py) follows the same
+// steps line for line. All arithmetic is IEEE float32 (build without
+// fast-math and without FMA contraction), in the order written.
+//
+// The normative spec is "Numerics" in DESIGN.md (NVIDIA Transformer Engine's
+// NVFP4BlockScaling recipe). Documented edge cases, identical on every backend:
+//   * NaN elements are ignored by every amax (fmaxf semantics) and encode as
+//     code 0x7 (+6) whatever their sign bit.
+//   * +-inf elements saturate to +-6; an infinite amax gives S_enc = 1.
+//   * -0.0 (and negative values that round to zero) keep their sign: code 0x8.
+//   * A block whose E4M3 scale rounds to 0 gets enc_b = FLT_MAX; its values
+//     dequantize to (signed) zero.
+#ifndef JAX_NVFP4_FFI_NVFP4_NUMERICS_H_
+#define JAX_NVFP4_FFI_NVFP4_NUMERICS_H_
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define NVFP4_HD __host__ __device__ __forceinline__
+#else
+#define NVFP4_HD inline
+#endif
+
+namespace jax_nvfp4 {
+
+inline constexpr int kBlock = 16;             // elements per scale block
+inline constexpr float kE4M3Max = 448.0f;     // largest finite E4M3 value
+inline constexpr float kE2M1Max = 6.0f;       // largest E2M1 magnitude
+inline constexpr float kScaleRange = 2688.0f; // kE4M3Max * kE2M1Max
+inline constexpr uint8_t kNanCode = 0x7;      // NaN encodes as +6
+
+NVFP4_HD uint32_t FloatBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+NVFP4_HD float BitsToFloat(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Global (per-tensor) scale.
+// ---------------------------------------------------------------------------
+struct GlobalScale {
+  float encode;  // S_enc = 2688 / amax
+  float decode;  // S_dec = 1 / S_enc
+};
+
+NVFP4_HD GlobalScale GlobalScaleFromAmax(float amax) {
+  float s_enc = kScaleRange / amax;
+  s_enc = fminf(s_enc, FLT_MAX);  // amax -> 0: 2688/0 = inf -> FLT_MAX
+  if (amax == 0.0f || s_enc == 0.0f) s_enc = 1.0f;  // zero or infinite amax
+  return {s_enc, 1.0f / s_enc};
+}
+
+// ---------------------------------------------------------------------------
+// E4M3 (float8_e4m3fn) block scales.
+// ---------------------------------------------------------------------------
+
+// Round half to even of a value in [0, 2^23); exact for the small integers
+// used here. Written out so host and device agree without rounding modes.
+NVFP4_HD float RoundHalfToEven(float t) {
+  const float lower = floorf(t);
+  const float frac = t - lower;  // exact: t and lower share an exponent range
+  if (frac > 0.5f) return lower + 1.0f;
+  if (frac < 0.5f) return lower;
+  return fmodf(lower, 2.0f) == 0.0f ? lower : lower + 1.0f;
+}
+
+// Rounds v >= 0 (finite) to the nearest E4M3 value, ties to even, saturating
+// at 448 (a plain cast would give NaN above 464). Returns the E4M3 value as a
+// float.
+NVFP4_HD float E4M3RoundSatfinite(float v) {
+  v = fminf(v, kE4M3Max);
+  if (v < 0.015625f) {
+    // Subnormal E4M3 range [0, 2^-6): a fixed step of 2^-9.
+    return RoundHalfToEven(v * 512.0f) * (1.0f / 512.0f);
+  }
+  // Normal range: keep 3 mantissa bits of the float32, round half to even on
+  // the 20 dropped bits. Carry into the exponent is the correct result.
+  uint32_t bits = FloatBits(v);
+  bits = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) & ~0xFFFFFu;
+  return BitsToFloat(bits);
+}
+
+// Encodes a non-negative value that is exactly representable in E4M3.
+NVFP4_HD uint8_t E4M3Encode(float v) {
+  if (v < 0.015625f) return static_cast<uint8_t>(v * 512.0f);  // 0..7
+  const uint32_t bits = FloatBits(v);
+  const uint32_t exponent = ((bits >> 23) & 0xFFu) - 127u + 7u;
+  return static_cast<uint8_t>((exponent << 3) | ((bits >> 20) & 0x7u));
+}
+
+NVFP4_HD float E4M3Decode(uint8_t byte) {
+  const uint32_t exponent = (byte >> 3) & 0xFu;
+  const uint32_t mantissa = byte & 0x7u;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = static_cast<float>(mantissa) * (1.0f / 512.0f);
+  } else {
+    magnitude = BitsToFloat(((exponent - 7u + 127u) << 23) | (mantissa << 20));
+  }
+  return (byte & 0x80u) ? -magnitude : magnitude;
+}
+
+// Per-block scale s_b (as a float E4M3 value) from the block's amax.
+NVFP4_HD float BlockScale(float block_amax, GlobalScale g) {
+  return E4M3RoundSatfinite(
+      fminf(block_amax * (g.encode * (1.0f / 6.0f)), FLT_MAX));
+}
+
+// Multiplier that maps a block's values onto the E2M1 grid.
+NVFP4_HD float BlockEncodeMultiplier(float block_scale, GlobalScale g) {
+  return fminf(1.0f / (block_scale * g.decode), FLT_MAX);
+}
+
+// Dequantization multiplier of a block: s_b * amax / 2688.
+NVFP4_HD float BlockDecodeMultiplier(float block_scale, float amax) {
+  return (block_scale * amax) * (1.0f / kScaleRange);
+}
+
+// ---------------------------------------------------------------------------
+// E2M1 elements. A code is 4 bits: bit 3 the sign, bits 0-2 the magnitude
+// index into {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+// ---------------------------------------------------------------------------
+
+NVFP4_HD float E2M1Magnitude(uint32_t index) {
+  // 0, 0.5, 1, 1.5 (step 0.5) then 2, 3, 4, 6.
+  return index < 4 ? 0.5f * static_cast<float>(index)
+                   : (index == 7 ? 6.0f : static_cast<float>(index - 2));
+}
+
+NVFP4_HD float E2M1Decode(uint32_t code) {
+  const float magnitude = E2M1Magnitude(code & 0x7u);
+  return (code & 0x8u) ? -magnitude : magnitude;
+}
+
+NVFP4_HD uint8_t SignBit(float v) {
+  return static_cast<uint8_t>((FloatBits(v) >> 28) & 0x8u);
+}
+
+// Round to nearest, ties to even, saturating at +-6. Ties: 0.25->0, 0.75->1,
+// 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+NVFP4_HD uint8_t E2M1RoundNearest(float v) {
+  if (v != v) return kNanCode;
+  const float a = fabsf(v);
+  uint8_t index;
+  if (a <= 0.25f) {
+    index = 0;
+  } else if (a < 0.75f) {
+    index = 1;
+  } else if (a <= 1.25f) {
+    index = 2;
+  } else if (a < 1.75f) {
+    index = 3;
+  } else if (a <= 2.5f) {
+    index = 4;
+  } else if (a < 3.5f) {
+    index = 5;
+  } else if (a <= 5.0f) {
+    index = 6;
+  } else {
+    index = 7;
+  }
+  return index | SignBit(v);
+}
+
+// Spacing of the E2M1 grid above a magnitude a.
+NVFP4_HD float E2M1Step(float a) {
+  return a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);
+}
+
+// Stochastic rounding with 8 random bits:
+//   1. u = bits / 256, uniform in [0, 1);
+//   2. t = |v| + u * step(|v|);
+//   3. q = floor(t / step(t)) * step(t), clamped to 6 (division by a power of
+//      two is exact, so it is written as a multiplication);
+//   4. the sign of v is kept.
+// Round-up happens with probability frac(|v| / step), so E[q] = |v| inside
+// the grid.
+NVFP4_HD uint8_t E2M1RoundStochastic(float v, uint32_t random_byte) {
+  if (v != v) return kNanCode;
+  const float a = fabsf(v);
+  const float u = static_cast<float>(random_byte) * (1.0f / 256.0f);
+  const float t = a + u * E2M1Step(a);
+  const float step_t = E2M1Step(t);
+  const float q = fminf(floorf(t * (1.0f / step_t)) * step_t, kE2M1Max);
+  uint8_t index;
+  if (q < 2.0f) {
+    index = static_cast<uint8_t>(q * 2.0f);  // 0, 0.5, 1, 1.5 -> 0..3
+  } else if (q < 4.0f) {
+    index = static_cast<uint8_t>(q) + 2;  // 2, 3 -> 4, 5
+  } else {
+    index = q == 4.0f ? 6 : 7;
+  }
+  return index | SignBit(v);
+}
+
+// ---------------------------------------------------------------------------
+// Random Hadamard Transform: R = diag(s) * H16 * 0.25, y = x16 * R.
+// ---------------------------------------------------------------------------
+
+// Sign vector s as a bit mask (bit j set <=> s_j = -1):
+// [1,1,1,-1,1,-1,-1,-1,-1,-1,-1,1,-1,1,-1,-1].
+inline constexpr uint32_t kRhtSignMask = 0xD7E8u;
+
+NVFP4_HD constexpr int Popcount4(uint32_t v) {
+  return (v & 1) + ((v >> 1) & 1) + ((v >> 2) & 1) + ((v >> 3) & 1);
+}
+
+// R[j][i] in {+0.25, -0.25}.
+NVFP4_HD constexpr float RhtEntry(int j, int i) {
+  return (((kRhtSignMask >> j) & 1u) ^ (Popcount4(j & i) & 1)) ? -0.25f
+                                                                  : 0.25f;
+}
+
+// Round a float32 to bfloat16 (nearest, ties to even) and back to float32.
+NVFP4_HD float RoundToBfloat16(float f) {
+  if (f != f) return BitsToFloat(0x7FC00000u);
+  uint32_t bits = FloatBits(f);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  return BitsToFloat(bits);
+}
+
+// y_i = bf16(sum_j x_j * R[j][i]), the sum taken in float32 in the order
+// j = 0, 1, ..., 15 starting from the j = 0 term (products are exact).
+NVFP4_HD void RandomHadamard16(const float x[kBlock], float y[kBlock]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < kBlock; ++i) {
+    float acc = x[0] * RhtEntry(0, i);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int j = 1; j < kBlock; ++j) acc = acc + x[j] * RhtEntry(j, i);
+    y[i] = RoundToBfloat16(acc);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Input element types: exact widening of bfloat16 and float16 bit patterns.
+// ---------------------------------------------------------------------------
+NVFP4_HD float Bfloat16BitsToFloat(uint16_t bits) {
+  return BitsToFloat(static_cast<uint32_t>(bits) << 16);
+}
+
+NVFP4_HD uint16_t FloatToBfloat16Bits(float f) {
+  return static_cast<uint16_t>(FloatBits(RoundToBfloat16(f)) >> 16);
+}
+
+NVFP4_HD float Float16BitsToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  const uint32_t mantissa = h & 0x3FFu;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = static_cast<float>(mantissa) * (1.0f / 16777216.0f);  // 2^-24
+  } else if (exponent == 31) {
+    magnitude = BitsToFloat(0x7F800000u | (mantissa << 13));
+  } else {
+    magnitude = BitsToFloat(((exponent + 112u) << 23) | (mantissa << 13));
+  }
+  return BitsToFloat(FloatBits(magnitude) | sign);
+}
+
+// ---------------------------------------------------------------------------
+// Stochastic-rounding bits: Threefry-2x32 (20 rounds), the counter-based
+// generator of jax.random, keyed by a JAX key's two words.
+// Element f (its flat index in the quantized layout, quantized axis last) of
+// stream `stream` uses byte (f % 8) of the output for the counter
+//   (c0, c1) = ((stream << 24) | ((f / 8) >> 32), (f / 8) mod 2^32),
+// bytes 0-3 from the first output word, 4-7 from the second, low byte first.
+// ---------------------------------------------------------------------------
+
+NVFP4_HD uint32_t RotateLeft(uint32_t v, int r) {
+  return (v << r) | (v >> (32 - r));
+}
+
+struct Threefry2x32Output {
+  uint32_t word0;
+  uint32_t word1;
+};
+
+NVFP4_HD Threefry2x32Output Threefry2x32(uint32_t key0, uint32_t key1,
+                                          uint32_t c0, uint32_t c1) {
+  const uint32_t ks[3] = {key0, key1, key0 ^ key1 ^ 0x1BD11BDAu};
+  constexpr int kRotations[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+  uint32_t x0 = c0 + ks[0];
+  uint32_t x1 = c1 + ks[1];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int group = 0; group < 5; ++group) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int r = 0; r < 4; ++r) {
+      x0 += x1;
+      x1 = RotateLeft(x1, kRotations[group & 1][r]);
+      x1 ^= x0;
+    }
+    x0 += ks[(group + 1) % 3];
+    x1 += ks[(group + 2) % 3] + static_cast<uint32_t>(group + 1);
+  }
+  return {x0, x1};
+}
+
+// The 8 random bytes of the elements 8*w .. 8*w+7 of a stream, low byte of
+// word0 first.
+NVFP4_HD uint64_t RandomBytes8(uint32_t key0, uint32_t key1, uint32_t stream,
+                               uint64_t w) {
+  const Threefry2x32Output out =
+      Threefry2x32(key0, key1,
+                   (stream << 24) | static_cast<uint32_t>((w >> 32) & 0xFFFFFFu),
+                   static_cast<uint32_t>(w));
+  return static_cast<uint64_t>(out.word0) |
+         (static_cast<uint64_t>(out.word1) << 32);
+}
+
+// ---------------------------------------------------------------------------
+// One 16-element block: codes (packed, element 2k in the low nibble of byte
+// k) from the block's values, its scale and the global scale.
+// ---------------------------------------------------------------------------
+NVFP4_HD uint64_t EncodeBlock16(const float v[kBlock], float encode_multiplier,
+                                bool stochastic, uint64_t random_lo,
+                                uint64_t random_hi) {
+  uint64_t packed = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < kBlock; ++i) {
+    const float scaled = v[i] * encode_multiplier;
+    uint32_t code;
+    if (stochastic) {
+      const uint64_t bytes = i < 8 ? random_lo : random_hi;
+      code = E2M1RoundStochastic(scaled,
+                                 static_cast<uint32_t>(bytes >> (8 * (i & 7))) &
+                                     0xFFu);
+    } else {
+      code = E2M1RoundNearest(scaled);
+    }
+    packed |= static_cast<uint64_t>(code) << (4 * i);
+  }
+  return packed;
+}
+
+}  // namespace jax_nvfp4
+
+#endif  // JAX_NVFP4_FFI_NVFP4_NUMERICS_H_

@@ -1,0 +1,42 @@
+"""jax_nvfp4: NVFP4 4-bit quantization and training primitives for JAX.
+
+Quantization follows NVIDIA Transformer Engine's NVFP4BlockScaling recipe:
+E2M1 values in blocks of 16 with an E4M3 scale per block and a float32 scale
+per tensor, optional 16x16 (2D) blocks, Random Hadamard Transform and
+stochastic rounding. The work is done by XLA FFI custom calls on CPU and CUDA;
+``jax_nvfp4.reference`` is the pure-JAX twin of every handler.
+"""
+
+from jax_nvfp4 import reference
+from jax_nvfp4._ffi_registry import available_platforms
+from jax_nvfp4.format import (
+    BLOCK_SIZE,
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    SCALE_RANGE,
+    NVFP4Tensor,
+)
+from jax_nvfp4.quantize import (
+    dequantize,
+    global_amax,
+    quantize,
+    quantize_rowwise_and_columnwise,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "SCALE_RANGE",
+    "NVFP4Tensor",
+    "available_platforms",
+    "dequantize",
+    "global_amax",
+    "quantize",
+    "quantize_rowwise_and_columnwise",
+    "reference",
+]

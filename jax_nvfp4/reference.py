@@ -1,0 +1,295 @@
+"""Pure-JAX twin of the FFI handlers: the oracle of the tests and the fallback.
+
+Every function here has the signature of the primitive of the same name in
+``jax_nvfp4.primitives`` and follows ``ffi/nvfp4_numerics.h`` step by step, in
+float32, so that the results are bit-identical to the CPU and CUDA handlers.
+Inputs use the handlers' rank-3 layout ``[batch, m, k]``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, e2m1_decode_table
+
+__all__ = [
+    "abs_max",
+    "amax",
+    "dequantize",
+    "global_scale",
+    "quantize_cols",
+    "quantize_rows",
+    "quantize_rows_cols",
+    "random_bytes",
+    "random_hadamard16",
+    "rht_matrix",
+    "threefry2x32",
+]
+
+_F32 = np.float32
+FLT_MAX = _F32(np.finfo(np.float32).max)
+ONE_SIXTH = _F32(1.0) / _F32(6.0)
+INV_SCALE_RANGE = _F32(1.0) / _F32(SCALE_RANGE)
+RHT_SIGNS = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1])
+
+
+def _u32(v):
+    return jnp.asarray(v, jnp.uint32)
+
+
+def _bits(x):
+    return lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _float(bits):
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def abs_max(x: jax.Array) -> jax.Array:
+    """max |x| over all elements, NaN ignored (fmaxf semantics), float32."""
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isnan(a), _F32(0), a), initial=_F32(0))
+
+
+def global_scale(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(S_enc, S_dec) from a float32 amax: S_enc = 2688 / amax, guarded."""
+    s_enc = jnp.fmin(_F32(SCALE_RANGE) / amax, FLT_MAX)
+    s_enc = jnp.where((amax == 0) | (s_enc == 0), _F32(1), s_enc)
+    return s_enc, _F32(1) / s_enc
+
+
+def e4m3_round_satfinite(v: jax.Array) -> jax.Array:
+    """Nearest-even E4M3 value of v >= 0, saturating at 448, as float32."""
+    v = jnp.fmin(v, _F32(448))
+    subnormal = jnp.round(v * _F32(512)) * _F32(1 / 512)  # round half to even
+    bits = _bits(v)
+    bits = (bits + _u32(0x7FFFF) + ((bits >> 20) & _u32(1))) & _u32(0xFFF00000)
+    return jnp.where(v < _F32(2**-6), subnormal, _float(bits))
+
+
+def e4m3_encode(v: jax.Array) -> jax.Array:
+    """float8_e4m3fn bytes (uint8) of non-negative E4M3-representable values."""
+    bits = _bits(v)
+    normal = (((bits >> 23) & _u32(0xFF)) - _u32(120)) << 3 | ((bits >> 20) & _u32(7))
+    subnormal = (v * _F32(512)).astype(jnp.uint32)
+    return jnp.where(v < _F32(2**-6), subnormal, normal).astype(jnp.uint8)
+
+
+def e4m3_decode(byte: jax.Array) -> jax.Array:
+    """float32 values of float8_e4m3fn bytes (uint8)."""
+    return lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def _sign_bit(v):
+    return ((_bits(v) >> 28) & _u32(8)).astype(jnp.uint8)
+
+
+def e2m1_round_nearest(v: jax.Array) -> jax.Array:
+    """4-bit codes (uint8) of v rounded to nearest-even E2M1, saturating at 6."""
+    a = jnp.abs(v)
+    index = (
+        (a > 0.25).astype(jnp.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    ).astype(jnp.uint8)
+    return jnp.where(jnp.isnan(v), jnp.uint8(7), index | _sign_bit(v))
+
+
+def _e2m1_step(a):
+    return jnp.where(a < 2, _F32(0.5), jnp.where(a < 4, _F32(1), _F32(2)))
+
+
+def e2m1_round_stochastic(v: jax.Array, random_byte: jax.Array) -> jax.Array:
+    """4-bit codes of v stochastically rounded with 8 random bits per element."""
+    a = jnp.abs(v)
+    u = random_byte.astype(jnp.float32) * _F32(1 / 256)
+    t = a + u * _e2m1_step(a)
+    step_t = _e2m1_step(t)
+    q = jnp.fmin(jnp.floor(t * (_F32(1) / step_t)) * step_t, _F32(6))
+    index = jnp.where(
+        q < 2, q * 2, jnp.where(q < 4, q + 2, jnp.where(q == 4, _F32(6), _F32(7)))
+    ).astype(jnp.uint8)
+    return jnp.where(jnp.isnan(v), jnp.uint8(7), index | _sign_bit(v))
+
+
+@functools.cache
+def rht_matrix() -> np.ndarray:
+    """R = diag(s) H16 / 4, float32 [16, 16]; y = x16 @ R."""
+    i = np.arange(16)
+    parity = np.vectorize(lambda v: bin(v).count("1") % 2)(i[:, None] & i[None, :])
+    hadamard = np.where(parity == 1, -1.0, 1.0)
+    return (RHT_SIGNS[:, None] * hadamard * 0.25).astype(np.float32)
+
+
+def random_hadamard16(q: jax.Array) -> jax.Array:
+    """RHT of each 16-chunk along the last axis, rounded to bfloat16 (float32).
+
+    y_i = sum_j q_j R[j, i] in float32, summed in the order j = 0..15 starting
+    from the j = 0 term (each product is exact).
+    """
+    r = rht_matrix()
+    chunks = q.reshape(*q.shape[:-1], q.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+    acc = chunks[..., 0:1] * r[0]
+    for j in range(1, BLOCK_SIZE):
+        acc = acc + chunks[..., j : j + 1] * r[j]
+    return acc.astype(jnp.bfloat16).astype(jnp.float32).reshape(q.shape)
+
+
+def threefry2x32(key0, key1, c0, c1):
+    """Threefry-2x32 with 20 rounds (the hash of jax.random), uint32 words."""
+    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+    ks = (key0, key1, key0 ^ key1 ^ _u32(0x1BD11BDA))
+    x0, x1 = c0 + ks[0], c1 + ks[1]
+    for group in range(5):
+        for r in rotations[group % 2]:
+            x0 = x0 + x1
+            x1 = (x1 << _u32(r)) | (x1 >> _u32(32 - r))
+            x1 = x1 ^ x0
+        x0 = x0 + ks[(group + 1) % 3]
+        x1 = x1 + ks[(group + 2) % 3] + _u32(group + 1)
+    return x0, x1
+
+
+def random_bytes(key: jax.Array, shape: tuple[int, int, int], stream: int):
+    """uint8 random bytes for a quantized layout [batch, rows, len].
+
+    Element f = (b * rows + r) * len + l uses byte f % 8 of Threefry-2x32
+    keyed by key[b // (batch // n_key)] at counter (stream << 24, f // 8).
+    """
+    batch, rows, length = shape
+    n_key = key.shape[0]
+    w = lax.iota(jnp.uint32, batch * rows * length // 8).reshape(batch, -1)
+    k = jnp.repeat(key, batch // n_key, axis=0)
+    y0, y1 = threefry2x32(k[:, 0:1], k[:, 1:2], _u32(stream << 24), w)
+    shifts = _u32(np.arange(4) * 8)
+    b0 = (y0[..., None] >> shifts) & _u32(0xFF)
+    b1 = (y1[..., None] >> shifts) & _u32(0xFF)
+    return jnp.concatenate([b0, b1], axis=-1).astype(jnp.uint8).reshape(shape)
+
+
+def _quantize_oriented(q, amax, key, *, tile_rows, stochastic, rht, stream):
+    """Quantizes q [batch, rows, len] (float32) along len."""
+    batch, rows, length = q.shape
+    if rht:
+        q = random_hadamard16(q)
+    a = jnp.repeat(amax.reshape(-1), batch // amax.size)
+    s_enc, s_dec = global_scale(a)
+    tiles = q.reshape(batch, rows // tile_rows, tile_rows, length // 16, 16)
+    magnitude = jnp.abs(tiles)
+    block_amax = jnp.max(
+        jnp.where(jnp.isnan(magnitude), _F32(0), magnitude), axis=(2, 4)
+    )
+    bcast = (slice(None), None, None)
+    scale = e4m3_round_satfinite(
+        jnp.fmin(block_amax * (s_enc * ONE_SIXTH)[bcast], FLT_MAX)
+    )
+    multiplier = jnp.fmin(_F32(1) / (scale * s_dec[bcast]), FLT_MAX)
+    v = tiles * multiplier[:, :, None, :, None]
+    if stochastic:
+        rnd = random_bytes(key, q.shape, stream).reshape(v.shape)
+        codes = e2m1_round_stochastic(v, rnd)
+    else:
+        codes = e2m1_round_nearest(v)
+    codes = codes.reshape(batch, rows, length)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scale_bytes = jnp.repeat(e4m3_encode(scale), tile_rows, axis=1)
+    scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
+    return packed, scales
+
+
+def quantize_rows(x, amax, key, *, tile_rows, stochastic, rht, stream):
+    """x [b, m, k] -> (codes [b, m, k/2], scales [b, m, k/16]) along k."""
+    return _quantize_oriented(
+        x.astype(jnp.float32),
+        amax,
+        key,
+        tile_rows=tile_rows,
+        stochastic=stochastic,
+        rht=rht,
+        stream=stream,
+    )
+
+
+def quantize_cols(x, amax, key, *, tile_rows, stochastic, rht, stream):
+    """x [b, m, k] -> (codes [b, k, m/2], scales [b, k, m/16]) along m."""
+    return _quantize_oriented(
+        jnp.swapaxes(x.astype(jnp.float32), 1, 2),
+        amax,
+        key,
+        tile_rows=tile_rows,
+        stochastic=stochastic,
+        rht=rht,
+        stream=stream,
+    )
+
+
+def quantize_rows_cols(
+    x,
+    row_amax,
+    col_amax,
+    key,
+    *,
+    row_tile_rows,
+    row_stochastic,
+    row_rht,
+    row_stream,
+    col_tile_rows,
+    col_stochastic,
+    col_rht,
+    col_stream,
+):
+    """Both quantizations of x [b, m, k]: along k (row-wise) and along m."""
+    rows = quantize_rows(
+        x,
+        row_amax,
+        key,
+        tile_rows=row_tile_rows,
+        stochastic=row_stochastic,
+        rht=row_rht,
+        stream=row_stream,
+    )
+    cols = quantize_cols(
+        x,
+        col_amax,
+        key,
+        tile_rows=col_tile_rows,
+        stochastic=col_stochastic,
+        rht=col_rht,
+        stream=col_stream,
+    )
+    return (*rows, *cols)
+
+
+def amax(x, *, rht_axis):
+    """[b, 2]: (max |x[b]|, max |bf16(RHT(x[b]))|), RHT along axis rht_axis."""
+    q = x.astype(jnp.float32)
+    if rht_axis == 1:
+        q = jnp.swapaxes(q, 1, 2)
+    batch = q.shape[0]
+    plain = jax.vmap(abs_max)(q.reshape(batch, -1))
+    transformed = jax.vmap(abs_max)(random_hadamard16(q).reshape(batch, -1))
+    return jnp.stack([plain, transformed], axis=1)
+
+
+def dequantize(codes, scales, amax, *, dtype):
+    """codes [b, r, l/2], scales [b, r, l/16] -> values [b, r, l] of dtype."""
+    batch, rows, half = codes.shape
+    a = jnp.repeat(amax.reshape(-1), batch // amax.size)
+    scale = lax.bitcast_convert_type(scales, jnp.uint8)
+    multiplier = (e4m3_decode(scale) * a[:, None, None]) * INV_SCALE_RANGE
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
+        batch, rows, half * 2
+    )
+    values = jnp.asarray(e2m1_decode_table())[nibbles]
+    blocks = values.reshape(batch, rows, half * 2 // 16, 16)
+    out = (blocks * multiplier[..., None]).reshape(batch, rows, half * 2)
+    return out.astype(dtype)
