@@ -190,7 +190,7 @@ ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
   if ((rht_axis == 1 ? d.m : d.k) % kBlock != 0) {
     return InvalidArgument("the transformed axis must be a multiple of 16");
   }
-  if (out->element_count() != 2 * d.batch) {
+  if (static_cast<int64_t>(out->element_count()) != 2 * d.batch) {
     return InvalidArgument("output must be [batch, 2]");
   }
   for (int64_t b = 0; b < d.batch; ++b) {
@@ -219,8 +219,9 @@ ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
   if (dims.size() != 3) return InvalidArgument("expected a rank-3 output");
   const int64_t batch = dims[0], rows = dims[1], len = dims[2];
   const int64_t n_amax = amax.element_count();
-  if (len % kBlock != 0 || codes.element_count() != batch * rows * len / 2 ||
-      scales.element_count() != batch * rows * len / kBlock ||
+  if (len % kBlock != 0 || static_cast<int64_t>(codes.element_count()) != batch * rows * len / 2 ||
+      static_cast<int64_t>(scales.element_count()) !=
+          batch * rows * len / kBlock ||
       scales.element_type() != ffi::DataType::F8E4M3FN || n_amax < 1 ||
       batch % n_amax != 0) {
     return InvalidArgument("dequantize operands have inconsistent shapes");

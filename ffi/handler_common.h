@@ -78,8 +78,8 @@ inline ffi::Error CheckQuantizeOperands(int64_t batch, int64_t rows,
 inline ffi::Error CheckOutputSizes(int64_t batch, int64_t rows, int64_t len,
                                    ffi::Result<ffi::Buffer<ffi::U8>>& codes,
                                    ffi::Result<ffi::AnyBuffer>& scales) {
-  if (codes->element_count() != batch * rows * (len / 2) ||
-      scales->element_count() != batch * rows * (len / 16) ||
+  if (static_cast<int64_t>(codes->element_count()) != batch * rows * (len / 2) ||
+      static_cast<int64_t>(scales->element_count()) != batch * rows * (len / 16) ||
       scales->element_type() != ffi::DataType::F8E4M3FN) {
     return InvalidArgument("output codes/scales have the wrong size or type");
   }

@@ -69,12 +69,12 @@ def _dequantize_abstract(codes, scales, amax, *, dtype):
 
 
 def _batch_size(args, dims):
-    return next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    return next(a.shape[d] for a, d in zip(args, dims) if d is not None)
 
 
 def _to_front(a, d, size):
     """Moves the vmapped axis d of a to the front (broadcasting if unmapped)."""
-    if d is batching.not_mapped:
+    if d is None:  # batching.not_mapped
         return jnp.broadcast_to(a, (size, *a.shape))
     return jnp.moveaxis(a, d, 0)
 

@@ -1,0 +1,66 @@
+"""Shared test helpers. Tests are device-agnostic: the handler under test runs
+on JAX's default device (a GPU when there is one, else the CPU) and is compared
+with the pure-JAX reference evaluated on the CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def on_cpu(fn, *args, **kwargs):
+    """Runs fn on the CPU device (for the reference)."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        args = jax.tree_util.tree_map(
+            lambda a: jax.device_put(a, cpu) if isinstance(a, jax.Array) else a, args
+        )
+        return fn(*args, **kwargs)
+
+
+def tensor_bytes(t):
+    """(codes, scale bytes, amax bits) of an NVFP4Tensor as numpy arrays."""
+    return (
+        np.asarray(t.codes),
+        np.asarray(jax.lax.bitcast_convert_type(t.scales, jnp.uint8)),
+        np.asarray(t.amax, np.float32).view(np.uint32),
+    )
+
+
+def assert_same_bytes(a, b):
+    for name, u, v in zip(("codes", "scales", "amax"), tensor_bytes(a), tensor_bytes(b)):
+        assert u.shape == v.shape, (name, u.shape, v.shape)
+        mismatch = np.flatnonzero(u.reshape(-1) != v.reshape(-1))
+        assert mismatch.size == 0, (
+            f"{name} differ at {mismatch.size} of {u.size} positions, first "
+            f"{mismatch[:8]}: {u.reshape(-1)[mismatch[:8]]} vs {v.reshape(-1)[mismatch[:8]]}"
+        )
+    assert a.shape == b.shape and a.axis == b.axis and a.block == b.block
+
+
+def outlier_data(seed, shape, dtype=jnp.bfloat16):
+    """Heavy-tailed random data: log-normal magnitudes, a few large outliers."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp(rng.standard_normal(shape) * 1.5)
+    flat = x.reshape(-1)
+    idx = rng.choice(flat.size, size=max(1, flat.size // 500), replace=False)
+    flat[idx] *= 300.0
+    return jnp.asarray(x, dtype)

@@ -1,0 +1,66 @@
+"""Bad input gets a ValueError/TypeError that says what to change."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_nvfp4 as nv
+
+
+@pytest.mark.parametrize(
+    "kwargs,x,error,match",
+    [
+        ({}, jnp.zeros((4, 100)), ValueError, "axis 1 has length 100.*multiple of 16"),
+        ({"axis": 0}, jnp.zeros((20, 32)), ValueError, "axis 0 has length 20"),
+        ({"block": "16x16"}, jnp.zeros((8, 32)), ValueError, "axis 0 has length 8.*tile"),
+        ({"block": "16x16"}, jnp.zeros((32,)), ValueError, "rank >= 2"),
+        ({"block": "2x2"}, jnp.zeros((16, 32)), ValueError, "block must be"),
+        ({}, jnp.zeros((4, 32), jnp.int32), TypeError, "dtype int32.*astype"),
+        ({}, jnp.zeros((4, 32), jnp.complex64), TypeError, "dtype complex64"),
+        ({}, jnp.zeros(()), ValueError, "scalar"),
+        ({"axis": 2}, jnp.zeros((4, 32)), ValueError, "out of range"),
+        ({"rounding": "stochastic"}, jnp.zeros((4, 32)), ValueError, "needs a PRNG key"),
+        ({"rounding": "up"}, jnp.zeros((4, 32)), ValueError, "rounding must be"),
+        ({"amax": jnp.ones(3)}, jnp.zeros((4, 32)), ValueError, "amax must be a scalar"),
+        ({"amax": 3}, jnp.zeros((4, 32)), TypeError, "amax must be a float"),
+        ({"stream": 300}, jnp.zeros((4, 32)), ValueError, "stream must be"),
+        ({"implementation": "gpu"}, jnp.zeros((4, 32)), ValueError, "implementation"),
+        (
+            {"rounding": "stochastic", "key": jax.random.split(jax.random.key(0), 2)},
+            jnp.zeros((4, 32)),
+            ValueError,
+            "single PRNG key",
+        ),
+        (
+            {"rounding": "stochastic", "key": jnp.zeros(3, jnp.uint32)},
+            jnp.zeros((4, 32)),
+            ValueError,
+            "uint32\\[2\\]",
+        ),
+    ],
+)
+def test_quantize_rejects(kwargs, x, error, match):
+    with pytest.raises(error, match=match):
+        nv.quantize(x, **kwargs)
+
+
+def test_fused_rejects():
+    with pytest.raises(ValueError, match="rank 1"):
+        nv.quantize_rowwise_and_columnwise(jnp.zeros(32))
+    with pytest.raises(ValueError, match="axis 0 has length 24"):
+        nv.quantize_rowwise_and_columnwise(jnp.zeros((24, 32)))
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        nv.quantize_rowwise_and_columnwise(jnp.zeros((32, 32)), col_rounding="stochastic")
+
+
+def test_dequantize_rejects():
+    with pytest.raises(TypeError, match="NVFP4Tensor"):
+        nv.dequantize(jnp.zeros((4, 32)))
+    t = nv.quantize(jnp.ones((4, 32)))
+    with pytest.raises(TypeError, match="int8"):
+        nv.dequantize(t, jnp.int8)
+
+
+def test_errors_under_jit():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        jax.jit(nv.quantize)(jnp.zeros((4, 40)))

@@ -1,0 +1,172 @@
+"""Element-level numerics: rounding against ml_dtypes, the generator against
+jax.random's Threefry, the Random Hadamard Transform, and the documented edge
+cases (through the handlers, compared with the reference)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_same_bytes, on_cpu
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import reference as ref
+
+
+def neighbourhoods(values):
+    """Each value, its midpoints with its neighbours, and 1-2 ulps either side."""
+    values = np.unique(np.asarray(values, np.float32))
+    mids = (values[:-1] + values[1:]) / 2
+    pts = np.concatenate([values, mids]).astype(np.float32)
+    out = [pts]
+    for k in (1, 2):
+        out.append(np.nextafter(pts, np.float32(np.inf)))
+        out.append(np.nextafter(pts, np.float32(-np.inf)))
+        pts = out[-2]
+    allpts = np.concatenate(out)
+    return np.concatenate([allpts, -allpts]).astype(np.float32)
+
+
+def test_e2m1_nearest_agrees_with_ml_dtypes():
+    v = neighbourhoods(nv.E2M1_VALUES)
+    v = v[np.abs(v) <= 6]
+    codes = np.asarray(ref.e2m1_round_nearest(jnp.asarray(v)))
+    got = nv.format.e2m1_decode_table()[codes]
+    want = v.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_e2m1_saturates_and_special_values():
+    v = jnp.asarray([7.0, -100.0, np.inf, -np.inf, np.nan, -np.nan, -0.0, 0.0, -0.1])
+    codes = np.asarray(ref.e2m1_round_nearest(v)).tolist()
+    assert codes == [7, 15, 7, 15, 7, 7, 8, 0, 8]
+
+
+def test_e4m3_agrees_with_ml_dtypes():
+    all_bytes = np.arange(0x7F, dtype=np.uint8)  # every finite non-negative E4M3
+    values = all_bytes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    v = neighbourhoods(values)
+    v = v[(v >= 0) & (v <= 448)]
+    got = np.asarray(ref.e4m3_round_satfinite(jnp.asarray(v)))
+    want = v.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    # Encoding round-trips every value; above 448 saturates (not NaN).
+    enc = np.asarray(ref.e4m3_encode(jnp.asarray(values)))
+    np.testing.assert_array_equal(enc, all_bytes)
+    big = np.asarray(ref.e4m3_round_satfinite(jnp.asarray([449.0, 470.0, 3e38])))
+    np.testing.assert_array_equal(big, [448, 448, 448])
+
+
+def test_handler_element_rounding_at_unit_scale():
+    """A block holding 6 next to a block holding 2688 has scale exactly 1, so
+    the handler's codes are the plain E2M1 rounding of the inputs."""
+    v = neighbourhoods(nv.E2M1_VALUES)
+    v = v[np.abs(v) <= 6]
+    n = -(-v.size // 15) * 15
+    vals = np.resize(v, n).reshape(-1, 15)
+    blocks = np.concatenate([np.full((vals.shape[0], 1), 6.0, np.float32), vals], 1)
+    x = np.concatenate([blocks.reshape(-1), np.full(16, 2688.0, np.float32)])
+    t = nv.quantize(jnp.asarray(x))
+    decoded = np.asarray(nv.dequantize(t, jnp.float32))[: blocks.size]
+    want = blocks.reshape(-1).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(decoded, want)
+
+
+def test_threefry_matches_jax_random():
+    key = jax.random.key_data(jax.random.key(42))
+    c0 = jnp.arange(64, dtype=jnp.uint32) * 77
+    c1 = jnp.arange(64, dtype=jnp.uint32) + 5
+    y0, y1 = ref.threefry2x32(key[0], key[1], c0, c1)
+    want = jax.extend.random.threefry_2x32(key, jnp.concatenate([c0, c1]))
+    np.testing.assert_array_equal(jnp.concatenate([y0, y1]), want)
+
+
+def test_rht_matrix_is_orthogonal_and_as_specified():
+    r = ref.rht_matrix().astype(np.float64)
+    np.testing.assert_allclose(r @ r.T, np.eye(16), atol=1e-12)
+    h2 = np.array([[1, 1], [1, -1]])
+    h16 = functools.reduce(np.kron, [h2] * 4)
+    signs = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1])
+    np.testing.assert_array_equal(r, np.diag(signs) @ h16 * 0.25)
+
+
+def _edge_case(name):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+    if name == "zeros":
+        x[:] = 0
+    elif name == "zero_blocks":
+        x[:, :16] = 0
+        x[5, 32:48] = -0.0
+    elif name == "scale_underflow":
+        x[0, 0] = 1e6  # other blocks' scales round to 0 or to E4M3 subnormals
+        x[1:4] *= 1e-3
+    elif name == "saturating_scale":
+        pass  # amax passed smaller than max |x|: block scales clamp to 448
+    elif name == "inf":
+        x[3, 7] = np.inf
+        x[9, 20] = -np.inf
+    elif name == "nan":
+        x[2, 2] = np.nan
+        x[4, 40] = -np.nan
+        x[6, 16:32] = np.nan
+    elif name == "negative_zero":
+        x[7, :] = -0.0
+        x[8, ::2] = -1e-30
+    return jnp.asarray(x)
+
+
+EDGE_CASES = ["zeros", "zero_blocks", "scale_underflow", "saturating_scale", "inf",
+              "nan", "negative_zero"]
+
+
+@pytest.mark.parametrize("case", EDGE_CASES)
+@pytest.mark.parametrize("block", ["1x16", "16x16"])
+@pytest.mark.parametrize("rht", [False, True])
+def test_edge_cases_match_reference(case, block, rht):
+    x = _edge_case(case)
+    amax = jnp.float32(0.5) if case == "saturating_scale" else None
+    kw = dict(block=block, rht=rht, amax=amax)
+    got = nv.quantize(x, **kw)
+    want = on_cpu(functools.partial(nv.quantize, implementation="reference", **kw), x)
+    assert_same_bytes(got, want)
+    got_c = nv.quantize(x, axis=0, **kw)
+    want_c = on_cpu(functools.partial(nv.quantize, axis=0, implementation="reference",
+                                      **kw), x)
+    assert_same_bytes(got_c, want_c)
+
+
+def test_documented_edge_behaviour():
+    # Zero tensor: amax 0 -> S_enc = 1, all codes and scales 0.
+    t = nv.quantize(jnp.zeros((2, 32)))
+    assert float(t.amax) == 0 and not np.asarray(t.codes).any()
+    assert not np.asarray(t.scales.astype(jnp.float32)).any()
+    # inf: S_enc = 1; the inf element saturates to +-6 * 448 / 2688 * inf...
+    x = _edge_case("inf")
+    t = nv.quantize(x)
+    assert np.isinf(float(t.amax))
+    codes = np.asarray(t.codes)
+    assert codes[3, 3] >> 4 == 0x7 and codes[9, 10] & 0xF == 0xF
+    # NaN is ignored by the amax and encodes as +6 (code 7).
+    x = _edge_case("nan")
+    t = nv.quantize(x)
+    assert float(t.amax) == float(jnp.nanmax(jnp.abs(x)))
+    assert np.asarray(t.codes)[2, 1] & 0xF == 0x7
+    assert np.asarray(t.codes)[4, 20] & 0xF == 0x7
+    # -0.0 keeps its sign (code 8) and dequantizes to -0.0.
+    t = nv.quantize(_edge_case("negative_zero"))
+    assert (np.asarray(t.codes)[7] == 0x88).all()
+    y = np.asarray(nv.dequantize(t, jnp.float32))
+    assert np.signbit(y[7]).all() and (y[7] == 0).all()
+    # Scale underflow: those blocks dequantize to zero.
+    t = nv.quantize(_edge_case("scale_underflow"))
+    scales = np.asarray(t.scales.astype(jnp.float32))
+    assert (scales[1:4] == 0).any()
+    y = np.asarray(nv.dequantize(t, jnp.float32))
+    assert (y[1:4][np.repeat(scales[1:4] == 0, 16, axis=1)] == 0).all()
+    # Saturating scale: an amax below max|x| clamps block scales at 448.
+    t = nv.quantize(_edge_case("saturating_scale"), amax=0.5)
+    assert float(jnp.max(t.scales.astype(jnp.float32))) == 448.0

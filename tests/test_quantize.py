@@ -1,0 +1,169 @@
+"""The FFI handlers against the pure-JAX reference: bit-exact, on every
+device the test session has (CPU; and the GPU when present)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_same_bytes, on_cpu, outlier_data
+
+import jax_nvfp4 as nv
+
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+
+
+def reference_quantize(x, *args, **kwargs):
+    return on_cpu(
+        functools.partial(nv.quantize, implementation="reference", **kwargs), x, *args
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", ["1x16", "16x16"])
+@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_nearest_matches_reference(dtype, block, rht, axis):
+    x = outlier_data(1, (48, 96), dtype)
+    got = jax.jit(
+        functools.partial(nv.quantize, axis=axis, block=block, rht=rht)
+    )(x)
+    want = reference_quantize(x, axis=axis, block=block, rht=rht)
+    assert_same_bytes(got, want)
+
+
+@pytest.mark.parametrize("block", ["1x16", "16x16"])
+@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize("axis", [-1, -2])
+def test_stochastic_matches_reference(block, rht, axis):
+    x = outlier_data(2, (64, 80), jnp.bfloat16)
+    key = jax.random.key(7)
+    kwargs = dict(axis=axis, block=block, rht=rht, rounding="stochastic", stream=3)
+    got = jax.jit(lambda x, k: nv.quantize(x, key=k, **kwargs))(x, key)
+    want = reference_quantize(x, key=key, **kwargs)
+    assert_same_bytes(got, want)
+
+
+@pytest.mark.parametrize(
+    "shape,axis", [((32,), 0), ((3, 5, 32), -1), ((4, 32, 3), 1), ((32, 2, 3), 0)]
+)
+def test_any_rank_and_axis(shape, axis):
+    x = outlier_data(3, shape, jnp.float32)
+    got = nv.quantize(x, axis=axis)
+    want = reference_quantize(x, axis=axis)
+    assert_same_bytes(got, want)
+    assert got.codes.shape == (*np.delete(shape, axis % len(shape)), shape[axis] // 2)
+    # Dequantize returns the logical layout.
+    y = nv.dequantize(got, jnp.float32)
+    assert y.shape == shape
+    np.testing.assert_array_equal(
+        y, on_cpu(functools.partial(nv.dequantize, implementation="reference"), want,
+                  jnp.float32))
+
+
+def test_2d_tiles_same_values_either_axis():
+    """16x16 scaling gives the transposed copy exactly the same values."""
+    w = outlier_data(4, (64, 48), jnp.bfloat16)
+    along_rows = nv.dequantize(nv.quantize(w, axis=0, block="16x16"), jnp.float32)
+    along_cols = nv.dequantize(nv.quantize(w, axis=1, block="16x16"), jnp.float32)
+    np.testing.assert_array_equal(along_rows, along_cols)
+    # ... while 1x16 blocks along different axes give different values.
+    a = nv.dequantize(nv.quantize(w, axis=0), jnp.float32)
+    b = nv.dequantize(nv.quantize(w, axis=1), jnp.float32)
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("row_rht,col_rht", [(False, True), (False, False), (True, True)])
+@pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
+def test_fused_rowwise_columnwise(row_rht, col_rht, col_rounding):
+    x = outlier_data(5, (2, 64, 48), jnp.bfloat16)
+    key = jax.random.key(11)
+    kwargs = dict(row_rht=row_rht, col_rht=col_rht, col_rounding=col_rounding,
+                  row_block="16x16", col_block="1x16")
+    rows, cols = jax.jit(
+        lambda x, k: nv.quantize_rowwise_and_columnwise(x, key=k, **kwargs)
+    )(x, key)
+    ref_rows, ref_cols = on_cpu(
+        functools.partial(nv.quantize_rowwise_and_columnwise, key=key,
+                          implementation="reference", **kwargs), x)
+    assert_same_bytes(rows, ref_rows)
+    assert_same_bytes(cols, ref_cols)
+    # Same bytes as the two separate quantizations.
+    assert_same_bytes(rows, nv.quantize(x, -1, block="16x16", rht=row_rht))
+    assert_same_bytes(
+        cols,
+        nv.quantize(x, -2, rht=col_rht, rounding=col_rounding, key=key, stream=1),
+    )
+    assert cols.codes.shape == (2, 48, 32)
+
+
+def test_dequantize_matches_reference_and_dtypes():
+    x = outlier_data(6, (32, 64), jnp.float32)
+    t = nv.quantize(x)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        got = jax.jit(nv.dequantize, static_argnums=1)(t, dtype)
+        want = on_cpu(functools.partial(nv.dequantize, implementation="reference"),
+                      t, dtype)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                      np.asarray(want, np.float32))
+
+
+def test_quantization_error_is_small():
+    x = jax.random.normal(jax.random.key(0), (256, 256), jnp.float32)
+    y = nv.dequantize(nv.quantize(x), jnp.float32)
+    rel = float(jnp.linalg.norm(y - x) / jnp.linalg.norm(x))
+    assert 0.02 < rel < 0.15, rel  # E2M1 with E4M3 block scales: ~9%
+
+
+def test_rht_values_are_the_transform():
+    x = outlier_data(8, (16, 64), jnp.float32)
+    t = nv.quantize(x, rht=True)
+    y = x.reshape(16, 4, 16) @ nv.reference.rht_matrix()
+    y = np.asarray(y.reshape(16, 64).astype(jnp.bfloat16), np.float32)
+    assert float(t.amax) == np.abs(y).max()
+    rel = np.linalg.norm(nv.dequantize(t, jnp.float32) - y) / np.linalg.norm(y)
+    assert rel < 0.15
+
+
+def test_vmap_matches_loop_and_folds_batch():
+    xs = outlier_data(9, (3, 32, 48), jnp.bfloat16)
+    batched = jax.vmap(lambda x: nv.quantize(x, axis=0, block="16x16"))(xs)
+    for i in range(3):
+        one = nv.quantize(xs[i], axis=0, block="16x16")
+        np.testing.assert_array_equal(batched.codes[i], one.codes)
+        np.testing.assert_array_equal(batched.amax[i], one.amax)
+    jaxpr = str(jax.make_jaxpr(jax.vmap(lambda x: nv.quantize(x)))(xs))
+    assert jaxpr.count("nvfp4_quantize_rows") == 1  # one call, not a loop
+    deq = jax.vmap(lambda t: nv.dequantize(t, jnp.float32))(batched)
+    for i in range(3):
+        np.testing.assert_array_equal(
+            deq[i], nv.dequantize(nv.quantize(xs[i], axis=0, block="16x16"), jnp.float32)
+        )
+
+
+def test_vmap_of_fused_and_amax():
+    xs = outlier_data(10, (2, 32, 32), jnp.bfloat16)
+    f = lambda x: nv.quantize_rowwise_and_columnwise(x, col_rht=True)  # noqa: E731
+    rows, cols = jax.vmap(f)(xs)
+    for i in range(2):
+        r, c = f(xs[i])
+        np.testing.assert_array_equal(rows.codes[i], r.codes)
+        np.testing.assert_array_equal(cols.codes[i], c.codes)
+        np.testing.assert_array_equal(cols.amax[i], c.amax)
+
+
+def test_explicit_amax_is_used():
+    x = outlier_data(12, (16, 32), jnp.float32)
+    t = nv.quantize(x, amax=jnp.float32(1000.0))
+    assert float(t.amax) == 1000.0
+    assert_same_bytes(t, reference_quantize(x, amax=jnp.float32(1000.0)))
+
+
+def test_handlers_are_used():
+    """The default path is the custom call, not the reference fallback."""
+    x = jnp.ones((16, 32), jnp.float32)
+    hlo = jax.jit(nv.quantize).lower(x).as_text()
+    assert "jax_nvfp4_quantize_rows" in hlo
+    assert "cpu" in nv.available_platforms()
