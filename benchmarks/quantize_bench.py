@@ -1,0 +1,135 @@
+"""Fused row-wise + column-wise NVFP4 quantize: time and bandwidth, side by side.
+
+    python benchmarks/quantize_bench.py [--out results.json]
+
+For each shape (bf16 [M, K]) it times, in one run:
+  copy       XLA elementwise x + 1 (reads and writes 2 B/elem): the device's
+             measured copy bandwidth, the yardstick.
+  fused      jax_nvfp4.quantize_rowwise_and_columnwise with the recipe's
+             options for dY: rows 1x16 nearest, columns 1x16 with RHT and
+             stochastic rounding; the global amax pass included.
+  kernel     the same with both amaxes passed in: the fused custom call alone.
+  fused_x    the recipe's options for X: columns with RHT, nearest.
+  reference  the pure-JAX twin of `fused` under jit.
+Minimum bytes of a fused quantize: read 2 B/elem, write 2 x (0.5 + 1/16) B/elem
+= 3.125 B/elem; the amax pass reads x once more (2 B/elem).
+Each timing runs REPEAT distinct inputs inside one jitted call (so dispatch
+is amortized and no input is reused from L2), median of several calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jax_nvfp4 as nv
+
+REPEAT = 8
+CALLS = 15
+
+
+def timed(fn, inputs):
+    """Median seconds per application of fn over the stacked inputs."""
+    run = jax.jit(lambda xs: [fn(x) for x in xs])
+    jax.block_until_ready(run(inputs))
+    samples = []
+    for _ in range(CALLS):
+        start = time.perf_counter()
+        jax.block_until_ready(run(inputs))
+        samples.append((time.perf_counter() - start) / len(inputs))
+    return statistics.median(samples)
+
+
+def bench_shape(m, k):
+    keys = jax.random.split(jax.random.key(0), REPEAT)
+    xs = [jax.random.normal(kk, (m, k), jnp.bfloat16) for kk in keys]
+    n = m * k
+    sr_key = jax.random.key(1)
+    dy_options = dict(col_rht=True, col_rounding="stochastic")
+    x_options = dict(col_rht=True)
+
+    def fused(x, implementation="ffi", **extra):
+        return nv.quantize_rowwise_and_columnwise(
+            x, key=sr_key, implementation=implementation, **dy_options, **extra
+        )
+
+    amaxes = [
+        (nv.global_amax(x), nv.global_amax(x, axis=0, rht=True)) for x in xs
+    ]
+    results = {
+        "copy": timed(lambda x: x + 1, xs),
+        "fused": timed(fused, xs),
+        "kernel": timed(
+            lambda xa: fused(xa[0], row_amax=xa[1][0], col_amax=xa[1][1]),
+            list(zip(xs, amaxes)),
+        ),
+        "fused_x": timed(
+            lambda x: nv.quantize_rowwise_and_columnwise(x, **x_options), xs
+        ),
+        "amax_rht": timed(lambda x: nv.global_amax(x, axis=0, rht=True), xs),
+        "reference": timed(functools.partial(fused, implementation="reference"), xs),
+    }
+    copy_bw = 4 * n / results["copy"]
+    min_bytes = 3.125 * n
+    rows = []
+    for name, t in results.items():
+        rows.append(
+            {
+                "shape": f"{m}x{k}",
+                "op": name,
+                "time_us": t * 1e6,
+                "min_bytes_bandwidth_TBps": (4 * n if name == "copy" else min_bytes)
+                / t
+                / 1e12,
+                "fraction_of_copy_bw": (4 * n if name == "copy" else min_bytes)
+                / t
+                / copy_bw,
+                "vs_reference": results["reference"] / t,
+            }
+        )
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="write the results as JSON")
+    parser.add_argument("--shapes", default="8192x4096,16384x8192")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} | jax {jax.__version__} | "
+          f"handlers on {sorted(nv.available_platforms())}")
+    all_rows = []
+    for shape in args.shapes.split(","):
+        m, k = map(int, shape.split("x"))
+        all_rows += bench_shape(m, k)
+    print(f"{'shape':>12} {'op':>10} {'time us':>9} {'TB/s*':>7} "
+          f"{'of copy':>8} {'ref/this':>9}")
+    for r in all_rows:
+        print(f"{r['shape']:>12} {r['op']:>10} {r['time_us']:9.1f} "
+              f"{r['min_bytes_bandwidth_TBps']:7.2f} "
+              f"{r['fraction_of_copy_bw']:8.2f} {r['vs_reference']:9.2f}")
+    print("* TB/s counts the minimum bytes of a fused quantize (3.125 B/elem; "
+          "copy: 4 B/elem), whatever the op reads on top")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "date": datetime.date.today().isoformat(),
+                    "device": device.device_kind,
+                    "jax": jax.__version__,
+                    "rows": all_rows,
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
