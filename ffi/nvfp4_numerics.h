@@ -156,30 +156,29 @@ NVFP4_HD uint8_t SignBit(float v) {
   return static_cast<uint8_t>((FloatBits(v) >> 28) & 0x8u);
 }
 
+// E2M1 rounding as a minimum over the three step sizes of the grid. With
+// a = |v|, the magnitude index (0..7 for 0, 0.5, 1, 1.5, 2, 3, 4, 6) is
+//   r(2a)         for a < 2      (step 0.5),
+//   r(a) + 2      for 2 <= a < 4 (step 1),
+//   r(a / 2) + 4  for a >= 4     (step 2), capped at 7,
+// where r rounds to an integer; each candidate is >= the right one outside
+// its own range, so the index is the minimum of the three and 7. With
+// r = rintf (nearest, ties to even) this is round-to-nearest-even on the
+// grid; with r = floorf it is rounding down. Branch-free: a divergent
+// if-chain per element costs the CUDA kernels several times over.
+NVFP4_HD float E2M1IndexMin(float c1, float c2, float c3) {
+  return fminf(fminf(c1, c2), fminf(c3, 7.0f));
+}
+
 // Round to nearest, ties to even, saturating at +-6. Ties: 0.25->0, 0.75->1,
-// 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+// 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4. NaN -> kNanCode (fminf drops the
+// NaN candidates, leaving 7; the sign is not kept).
 NVFP4_HD uint8_t E2M1RoundNearest(float v) {
-  if (v != v) return kNanCode;
   const float a = fabsf(v);
-  uint8_t index;
-  if (a <= 0.25f) {
-    index = 0;
-  } else if (a < 0.75f) {
-    index = 1;
-  } else if (a <= 1.25f) {
-    index = 2;
-  } else if (a < 1.75f) {
-    index = 3;
-  } else if (a <= 2.5f) {
-    index = 4;
-  } else if (a < 3.5f) {
-    index = 5;
-  } else if (a <= 5.0f) {
-    index = 6;
-  } else {
-    index = 7;
-  }
-  return index | SignBit(v);
+  const float index =
+      E2M1IndexMin(rintf(2.0f * a), rintf(a) + 2.0f, rintf(0.5f * a) + 4.0f);
+  return v != v ? kNanCode
+                : static_cast<uint8_t>(static_cast<uint32_t>(index) | SignBit(v));
 }
 
 // Spacing of the E2M1 grid above a magnitude a.
@@ -189,28 +188,20 @@ NVFP4_HD float E2M1Step(float a) {
 
 // Stochastic rounding with 8 random bits:
 //   1. u = bits / 256, uniform in [0, 1);
-//   2. t = |v| + u * step(|v|);
-//   3. q = floor(t / step(t)) * step(t), clamped to 6 (division by a power of
-//      two is exact, so it is written as a multiplication);
+//   2. t = |v| + u * step(|v|) (one rounding: u * step is exact);
+//   3. q = t rounded down to the grid, clamped to 6, i.e. the index
+//      min(floor(2t), floor(t) + 2, floor(t / 2) + 4, 7);
 //   4. the sign of v is kept.
 // Round-up happens with probability frac(|v| / step), so E[q] = |v| inside
 // the grid.
 NVFP4_HD uint8_t E2M1RoundStochastic(float v, uint32_t random_byte) {
-  if (v != v) return kNanCode;
   const float a = fabsf(v);
   const float u = static_cast<float>(random_byte) * (1.0f / 256.0f);
   const float t = a + u * E2M1Step(a);
-  const float step_t = E2M1Step(t);
-  const float q = fminf(floorf(t * (1.0f / step_t)) * step_t, kE2M1Max);
-  uint8_t index;
-  if (q < 2.0f) {
-    index = static_cast<uint8_t>(q * 2.0f);  // 0, 0.5, 1, 1.5 -> 0..3
-  } else if (q < 4.0f) {
-    index = static_cast<uint8_t>(q) + 2;  // 2, 3 -> 4, 5
-  } else {
-    index = q == 4.0f ? 6 : 7;
-  }
-  return index | SignBit(v);
+  const float index = E2M1IndexMin(floorf(2.0f * t), floorf(t) + 2.0f,
+                                   floorf(0.5f * t) + 4.0f);
+  return v != v ? kNanCode
+                : static_cast<uint8_t>(static_cast<uint32_t>(index) | SignBit(v));
 }
 
 // ---------------------------------------------------------------------------
@@ -239,20 +230,38 @@ NVFP4_HD float RoundToBfloat16(float f) {
   return BitsToFloat(bits);
 }
 
-// y_i = bf16(sum_j x_j * R[j][i]), the sum taken in float32 in the order
-// j = 0, 1, ..., 15 starting from the j = 0 term (products are exact).
+// y = bf16(x16 * R): z_j = x_j * s_j * 0.25 (exact), then z * H16 by the
+// radix-2 fast Walsh-Hadamard butterfly in float32 -- stages h = 1, 2, 4, 8,
+// each replacing the pair (z_i, z_{i+h}), i & h == 0, by (z_i + z_{i+h},
+// z_i - z_{i+h}) -- and each result rounded to bfloat16.
 NVFP4_HD void RandomHadamard16(const float x[kBlock], float y[kBlock]) {
+  float z[kBlock];
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int i = 0; i < kBlock; ++i) {
-    float acc = x[0] * RhtEntry(0, i);
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-    for (int j = 1; j < kBlock; ++j) acc = acc + x[j] * RhtEntry(j, i);
-    y[i] = RoundToBfloat16(acc);
+  for (int j = 0; j < kBlock; ++j) {
+    z[j] = x[j] * (((kRhtSignMask >> j) & 1u) ? -0.25f : 0.25f);
   }
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int h = 1; h < kBlock; h <<= 1) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int i = 0; i < kBlock; ++i) {
+      if ((i & h) == 0) {
+        const float a = z[i];
+        const float b = z[i + h];
+        z[i] = a + b;
+        z[i + h] = a - b;
+      }
+    }
+  }
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < kBlock; ++i) y[i] = RoundToBfloat16(z[i]);
 }
 
 // ---------------------------------------------------------------------------

@@ -133,15 +133,18 @@ def rht_matrix() -> np.ndarray:
 def random_hadamard16(q: jax.Array) -> jax.Array:
     """RHT of each 16-chunk along the last axis, rounded to bfloat16 (float32).
 
-    y_i = sum_j q_j R[j, i] in float32, summed in the order j = 0..15 starting
-    from the j = 0 term (each product is exact).
+    z_j = q_j * s_j / 4 (exact), then z H16 by the fast Walsh-Hadamard
+    butterfly: stages h = 1, 2, 4, 8 replace each pair (z_i, z_{i+h}),
+    i & h == 0, by (z_i + z_{i+h}, z_i - z_{i+h}), in float32.
     """
-    r = rht_matrix()
-    chunks = q.reshape(*q.shape[:-1], q.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
-    acc = chunks[..., 0:1] * r[0]
-    for j in range(1, BLOCK_SIZE):
-        acc = acc + chunks[..., j : j + 1] * r[j]
-    return acc.astype(jnp.bfloat16).astype(jnp.float32).reshape(q.shape)
+    signs = (RHT_SIGNS * 0.25).astype(np.float32)
+    z = q.reshape(*q.shape[:-1], q.shape[-1] // BLOCK_SIZE, BLOCK_SIZE) * signs
+    lead = z.shape[:-1]
+    for h in (1, 2, 4, 8):
+        pairs = z.reshape(*lead, BLOCK_SIZE // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        z = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, BLOCK_SIZE)
+    return z.astype(jnp.bfloat16).astype(jnp.float32).reshape(q.shape)
 
 
 def threefry2x32(key0, key1, c0, c1):

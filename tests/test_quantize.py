@@ -122,7 +122,7 @@ def test_rht_values_are_the_transform():
     t = nv.quantize(x, rht=True)
     y = x.reshape(16, 4, 16) @ nv.reference.rht_matrix()
     y = np.asarray(y.reshape(16, 64).astype(jnp.bfloat16), np.float32)
-    assert float(t.amax) == np.abs(y).max()
+    np.testing.assert_allclose(float(t.amax), np.abs(y).max(), rtol=1e-2)
     rel = np.linalg.norm(nv.dequantize(t, jnp.float32) - y) / np.linalg.norm(y)
     assert rel < 0.15
 
