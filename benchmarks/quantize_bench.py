@@ -13,8 +13,9 @@ For each shape (bf16 [M, K]) it times, in one run:
   reference  the pure-JAX twin of `fused` under jit.
 Minimum bytes of a fused quantize: read 2 B/elem, write 2 x (0.5 + 1/16) B/elem
 = 3.125 B/elem; the amax pass reads x once more (2 B/elem).
-Each timing runs REPEAT distinct inputs inside one jitted call (so dispatch
-is amortized and no input is reused from L2), median of several calls.
+Each timing runs the op on REPEAT and on REPEAT/2 distinct inputs inside one
+jitted call (no input is reused from L2) and takes the difference of the two
+medians over REPEAT/2: the per-op device time, free of dispatch overhead.
 """
 
 from __future__ import annotations
@@ -31,20 +32,27 @@ import jax.numpy as jnp
 
 import jax_nvfp4 as nv
 
-REPEAT = 8
+REPEAT = 16
 CALLS = 15
 
 
-def timed(fn, inputs):
-    """Median seconds per application of fn over the stacked inputs."""
+def _median_call(fn, inputs):
     run = jax.jit(lambda xs: [fn(x) for x in xs])
     jax.block_until_ready(run(inputs))
     samples = []
     for _ in range(CALLS):
         start = time.perf_counter()
         jax.block_until_ready(run(inputs))
-        samples.append((time.perf_counter() - start) / len(inputs))
+        samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def timed(fn, inputs):
+    """Seconds per application of fn: the slope between len(inputs) and half."""
+    half = len(inputs) // 2
+    return (_median_call(fn, inputs) - _median_call(fn, inputs[:half])) / (
+        len(inputs) - half
+    )
 
 
 def bench_shape(m, k):
@@ -60,15 +68,13 @@ def bench_shape(m, k):
             x, key=sr_key, implementation=implementation, **dy_options, **extra
         )
 
-    amaxes = [
-        (nv.global_amax(x), nv.global_amax(x, axis=0, rht=True)) for x in xs
-    ]
+    amaxes = [(nv.global_amax(x), nv.global_amax(x, axis=0, rht=True)) for x in xs]
     results = {
         "copy": timed(lambda x: x + 1, xs),
         "fused": timed(fused, xs),
         "kernel": timed(
             lambda xa: fused(xa[0], row_amax=xa[1][0], col_amax=xa[1][1]),
-            list(zip(xs, amaxes)),
+            list(zip(xs, amaxes, strict=False)),
         ),
         "fused_x": timed(
             lambda x: nv.quantize_rowwise_and_columnwise(x, **x_options), xs
@@ -103,20 +109,28 @@ def main():
     parser.add_argument("--shapes", default="8192x4096,16384x8192")
     args = parser.parse_args()
     device = jax.devices()[0]
-    print(f"device: {device.device_kind} | jax {jax.__version__} | "
-          f"handlers on {sorted(nv.available_platforms())}")
+    print(
+        f"device: {device.device_kind} | jax {jax.__version__} | "
+        f"handlers on {sorted(nv.available_platforms())}"
+    )
     all_rows = []
     for shape in args.shapes.split(","):
         m, k = map(int, shape.split("x"))
         all_rows += bench_shape(m, k)
-    print(f"{'shape':>12} {'op':>10} {'time us':>9} {'TB/s*':>7} "
-          f"{'of copy':>8} {'ref/this':>9}")
+    print(
+        f"{'shape':>12} {'op':>10} {'time us':>9} {'TB/s*':>7} "
+        f"{'of copy':>8} {'ref/this':>9}"
+    )
     for r in all_rows:
-        print(f"{r['shape']:>12} {r['op']:>10} {r['time_us']:9.1f} "
-              f"{r['min_bytes_bandwidth_TBps']:7.2f} "
-              f"{r['fraction_of_copy_bw']:8.2f} {r['vs_reference']:9.2f}")
-    print("* TB/s counts the minimum bytes of a fused quantize (3.125 B/elem; "
-          "copy: 4 B/elem), whatever the op reads on top")
+        print(
+            f"{r['shape']:>12} {r['op']:>10} {r['time_us']:9.1f} "
+            f"{r['min_bytes_bandwidth_TBps']:7.2f} "
+            f"{r['fraction_of_copy_bw']:8.2f} {r['vs_reference']:9.2f}"
+        )
+    print(
+        "* TB/s counts the minimum bytes of a fused quantize (3.125 B/elem; "
+        "copy: 4 B/elem), whatever the op reads on top"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

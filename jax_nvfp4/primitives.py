@@ -69,7 +69,7 @@ def _dequantize_abstract(codes, scales, amax, *, dtype):
 
 
 def _batch_size(args, dims):
-    return next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    return next(a.shape[d] for a, d in zip(args, dims, strict=False) if d is not None)
 
 
 def _to_front(a, d, size):
@@ -166,9 +166,7 @@ def _define(name, target, abstract, reference_fn, batch_rule, *, multiple, drop=
     prim.multiple_results = multiple
     prim.def_abstract_eval(abstract)
     prim.def_impl(
-        lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(
-            *args
-        )
+        lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args)
     )
     batching.primitive_batchers[prim] = batch_rule
     # The reference is the default lowering; handler platforms override it.

@@ -352,9 +352,7 @@ def dequantize(
             raise TypeError(
                 f"dequantize produces float32, bfloat16 or float16, not {dtype}"
             )
-        return dequantize(t, jnp.float32, implementation=implementation).astype(
-            dtype
-        )
+        return dequantize(t, jnp.float32, implementation=implementation).astype(dtype)
     ops = _ops(implementation)
     stored = t.stored_shape
     rows = math.prod(stored[:-1])

@@ -46,12 +46,15 @@ def tensor_bytes(t):
 
 
 def assert_same_bytes(a, b):
-    for name, u, v in zip(("codes", "scales", "amax"), tensor_bytes(a), tensor_bytes(b)):
+    for name, u, v in zip(
+        ("codes", "scales", "amax"), tensor_bytes(a), tensor_bytes(b), strict=False
+    ):
         assert u.shape == v.shape, (name, u.shape, v.shape)
         mismatch = np.flatnonzero(u.reshape(-1) != v.reshape(-1))
         assert mismatch.size == 0, (
             f"{name} differ at {mismatch.size} of {u.size} positions, first "
-            f"{mismatch[:8]}: {u.reshape(-1)[mismatch[:8]]} vs {v.reshape(-1)[mismatch[:8]]}"
+            f"{mismatch[:8]}: {u.reshape(-1)[mismatch[:8]]} vs "
+            f"{v.reshape(-1)[mismatch[:8]]}"
         )
     assert a.shape == b.shape and a.axis == b.axis and a.block == b.block
 

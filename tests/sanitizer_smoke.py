@@ -1,6 +1,6 @@
 """Runs every CUDA handler once on small, odd shapes, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck python tests/sanitizer_smoke.py
+compute-sanitizer --tool memcheck python tests/sanitizer_smoke.py
 """
 
 import jax
@@ -21,7 +21,9 @@ def main():
             *nv.quantize_rowwise_and_columnwise(
                 x, col_rht=True, col_rounding="stochastic", key=key
             ),
-            *nv.quantize_rowwise_and_columnwise(x, row_block="16x16", col_block="16x16"),
+            *nv.quantize_rowwise_and_columnwise(
+                x, row_block="16x16", col_block="16x16"
+            ),
         ]
         deq = [nv.dequantize(t, jnp.float32) for t in outs]
         deq += [nv.dequantize(outs[0], jnp.bfloat16)]

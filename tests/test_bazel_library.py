@@ -23,8 +23,13 @@ def test_bazel_library_handlers_match_reference():
     assert _ffi_registry.handler_source() == LIBRARY
     x = outlier_data(0, (32, 64), jnp.bfloat16)
     key = jax.random.key(0)
-    for kw in (dict(), dict(block="16x16", rht=True),
-               dict(axis=0, rounding="stochastic", key=key)):
+    for kw in (
+        dict(),
+        dict(block="16x16", rht=True),
+        dict(axis=0, rounding="stochastic", key=key),
+    ):
         got = on_cpu(functools.partial(nv.quantize, **kw), x)
-        want = on_cpu(functools.partial(nv.quantize, implementation="reference", **kw), x)
+        want = on_cpu(
+            functools.partial(nv.quantize, implementation="reference", **kw), x
+        )
         assert_same_bytes(got, want)

@@ -12,16 +12,31 @@ import jax_nvfp4 as nv
     [
         ({}, jnp.zeros((4, 100)), ValueError, "axis 1 has length 100.*multiple of 16"),
         ({"axis": 0}, jnp.zeros((20, 32)), ValueError, "axis 0 has length 20"),
-        ({"block": "16x16"}, jnp.zeros((8, 32)), ValueError, "axis 0 has length 8.*tile"),
+        (
+            {"block": "16x16"},
+            jnp.zeros((8, 32)),
+            ValueError,
+            "axis 0 has length 8.*tile",
+        ),
         ({"block": "16x16"}, jnp.zeros((32,)), ValueError, "rank >= 2"),
         ({"block": "2x2"}, jnp.zeros((16, 32)), ValueError, "block must be"),
         ({}, jnp.zeros((4, 32), jnp.int32), TypeError, "dtype int32.*astype"),
         ({}, jnp.zeros((4, 32), jnp.complex64), TypeError, "dtype complex64"),
         ({}, jnp.zeros(()), ValueError, "scalar"),
         ({"axis": 2}, jnp.zeros((4, 32)), ValueError, "out of range"),
-        ({"rounding": "stochastic"}, jnp.zeros((4, 32)), ValueError, "needs a PRNG key"),
+        (
+            {"rounding": "stochastic"},
+            jnp.zeros((4, 32)),
+            ValueError,
+            "needs a PRNG key",
+        ),
         ({"rounding": "up"}, jnp.zeros((4, 32)), ValueError, "rounding must be"),
-        ({"amax": jnp.ones(3)}, jnp.zeros((4, 32)), ValueError, "amax must be a scalar"),
+        (
+            {"amax": jnp.ones(3)},
+            jnp.zeros((4, 32)),
+            ValueError,
+            "amax must be a scalar",
+        ),
         ({"amax": 3}, jnp.zeros((4, 32)), TypeError, "amax must be a float"),
         ({"stream": 300}, jnp.zeros((4, 32)), ValueError, "stream must be"),
         ({"implementation": "gpu"}, jnp.zeros((4, 32)), ValueError, "implementation"),
@@ -50,7 +65,9 @@ def test_fused_rejects():
     with pytest.raises(ValueError, match="axis 0 has length 24"):
         nv.quantize_rowwise_and_columnwise(jnp.zeros((24, 32)))
     with pytest.raises(ValueError, match="needs a PRNG key"):
-        nv.quantize_rowwise_and_columnwise(jnp.zeros((32, 32)), col_rounding="stochastic")
+        nv.quantize_rowwise_and_columnwise(
+            jnp.zeros((32, 32)), col_rounding="stochastic"
+        )
 
 
 def test_dequantize_rejects():

@@ -21,7 +21,7 @@ def neighbourhoods(values):
     mids = (values[:-1] + values[1:]) / 2
     pts = np.concatenate([values, mids]).astype(np.float32)
     out = [pts]
-    for k in (1, 2):
+    for _k in (1, 2):
         out.append(np.nextafter(pts, np.float32(np.inf)))
         out.append(np.nextafter(pts, np.float32(-np.inf)))
         pts = out[-2]
@@ -119,8 +119,15 @@ def _edge_case(name):
     return jnp.asarray(x)
 
 
-EDGE_CASES = ["zeros", "zero_blocks", "scale_underflow", "saturating_scale", "inf",
-              "nan", "negative_zero"]
+EDGE_CASES = [
+    "zeros",
+    "zero_blocks",
+    "scale_underflow",
+    "saturating_scale",
+    "inf",
+    "nan",
+    "negative_zero",
+]
 
 
 @pytest.mark.parametrize("case", EDGE_CASES)
@@ -134,8 +141,9 @@ def test_edge_cases_match_reference(case, block, rht):
     want = on_cpu(functools.partial(nv.quantize, implementation="reference", **kw), x)
     assert_same_bytes(got, want)
     got_c = nv.quantize(x, axis=0, **kw)
-    want_c = on_cpu(functools.partial(nv.quantize, axis=0, implementation="reference",
-                                      **kw), x)
+    want_c = on_cpu(
+        functools.partial(nv.quantize, axis=0, implementation="reference", **kw), x
+    )
     assert_same_bytes(got_c, want_c)
 
 

@@ -26,9 +26,7 @@ def reference_quantize(x, *args, **kwargs):
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_nearest_matches_reference(dtype, block, rht, axis):
     x = outlier_data(1, (48, 96), dtype)
-    got = jax.jit(
-        functools.partial(nv.quantize, axis=axis, block=block, rht=rht)
-    )(x)
+    got = jax.jit(functools.partial(nv.quantize, axis=axis, block=block, rht=rht))(x)
     want = reference_quantize(x, axis=axis, block=block, rht=rht)
     assert_same_bytes(got, want)
 
@@ -58,8 +56,13 @@ def test_any_rank_and_axis(shape, axis):
     y = nv.dequantize(got, jnp.float32)
     assert y.shape == shape
     np.testing.assert_array_equal(
-        y, on_cpu(functools.partial(nv.dequantize, implementation="reference"), want,
-                  jnp.float32))
+        y,
+        on_cpu(
+            functools.partial(nv.dequantize, implementation="reference"),
+            want,
+            jnp.float32,
+        ),
+    )
 
 
 def test_2d_tiles_same_values_either_axis():
@@ -74,19 +77,32 @@ def test_2d_tiles_same_values_either_axis():
     assert not np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("row_rht,col_rht", [(False, True), (False, False), (True, True)])
+@pytest.mark.parametrize(
+    "row_rht,col_rht", [(False, True), (False, False), (True, True)]
+)
 @pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
 def test_fused_rowwise_columnwise(row_rht, col_rht, col_rounding):
     x = outlier_data(5, (2, 64, 48), jnp.bfloat16)
     key = jax.random.key(11)
-    kwargs = dict(row_rht=row_rht, col_rht=col_rht, col_rounding=col_rounding,
-                  row_block="16x16", col_block="1x16")
+    kwargs = dict(
+        row_rht=row_rht,
+        col_rht=col_rht,
+        col_rounding=col_rounding,
+        row_block="16x16",
+        col_block="1x16",
+    )
     rows, cols = jax.jit(
         lambda x, k: nv.quantize_rowwise_and_columnwise(x, key=k, **kwargs)
     )(x, key)
     ref_rows, ref_cols = on_cpu(
-        functools.partial(nv.quantize_rowwise_and_columnwise, key=key,
-                          implementation="reference", **kwargs), x)
+        functools.partial(
+            nv.quantize_rowwise_and_columnwise,
+            key=key,
+            implementation="reference",
+            **kwargs,
+        ),
+        x,
+    )
     assert_same_bytes(rows, ref_rows)
     assert_same_bytes(cols, ref_cols)
     # Same bytes as the two separate quantizations.
@@ -103,11 +119,13 @@ def test_dequantize_matches_reference_and_dtypes():
     t = nv.quantize(x)
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
         got = jax.jit(nv.dequantize, static_argnums=1)(t, dtype)
-        want = on_cpu(functools.partial(nv.dequantize, implementation="reference"),
-                      t, dtype)
+        want = on_cpu(
+            functools.partial(nv.dequantize, implementation="reference"), t, dtype
+        )
         assert got.dtype == dtype
-        np.testing.assert_array_equal(np.asarray(got, np.float32),
-                                      np.asarray(want, np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(got, np.float32), np.asarray(want, np.float32)
+        )
 
 
 def test_quantization_error_is_small():
@@ -139,7 +157,8 @@ def test_vmap_matches_loop_and_folds_batch():
     deq = jax.vmap(lambda t: nv.dequantize(t, jnp.float32))(batched)
     for i in range(3):
         np.testing.assert_array_equal(
-            deq[i], nv.dequantize(nv.quantize(xs[i], axis=0, block="16x16"), jnp.float32)
+            deq[i],
+            nv.dequantize(nv.quantize(xs[i], axis=0, block="16x16"), jnp.float32),
         )
 
 

@@ -40,7 +40,8 @@ def test_different_keys_and_streams_differ():
     assert differ_ab > 0.3 and differ_ac > 0.3
     # Scales never depend on the random bits.
     np.testing.assert_array_equal(
-        np.asarray(a.scales.astype(jnp.float32)), np.asarray(b.scales.astype(jnp.float32))
+        np.asarray(a.scales.astype(jnp.float32)),
+        np.asarray(b.scales.astype(jnp.float32)),
     )
 
 
