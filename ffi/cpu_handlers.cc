@@ -67,7 +67,8 @@ void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
       float block_amax = 0.0f;
       for (int64_t r = r0; r < r0 + tile; ++r) {
         for (int i = 0; i < kBlock; ++i) {
-          block_amax = fmaxf(block_amax, fabsf(q[r * len + kb * kBlock + i]));
+          block_amax =
+              MaxAbsIgnoringNan(block_amax, q[r * len + kb * kBlock + i]);
         }
       }
       const float scale = BlockScale(block_amax, g);
@@ -121,7 +122,8 @@ ffi::Error QuantizeOutput(const ffi::AnyBuffer& x, bool transpose,
   uint8_t* code_data = codes->typed_data();
   uint8_t* scale_data = static_cast<uint8_t*>(scales->untyped_data());
   for (int64_t b = 0; b < d.batch; ++b) {
-    const std::vector<float> q = OrientedMatrix(x, b, d, transpose, options.rht);
+    const std::vector<float> q =
+        OrientedMatrix(x, b, d, transpose, options.rht);
     const int64_t a = b / (d.batch / n_amax);
     const int64_t kk = b / (d.batch / n_key);
     QuantizeMatrix(q.data(), rows, len, amax.typed_data()[a],
@@ -155,22 +157,24 @@ ffi::Error QuantizeColsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
                         scales);
 }
 
-ffi::Error QuantizeRowsColsImpl(
-    ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
-    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
-    ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
-    ffi::Result<ffi::AnyBuffer> row_scales,
-    ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
-    ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
-    bool row_stochastic, bool row_rht, int64_t row_stream,
-    int64_t col_tile_rows, bool col_stochastic, bool col_rht,
-    int64_t col_stream) {
+ffi::Error QuantizeRowsColsImpl(ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::F32> row_amax,
+                                ffi::Buffer<ffi::F32> col_amax,
+                                ffi::Buffer<ffi::U32> key,
+                                ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
+                                ffi::Result<ffi::AnyBuffer> row_scales,
+                                ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
+                                ffi::Result<ffi::AnyBuffer> col_scales,
+                                int64_t row_tile_rows, bool row_stochastic,
+                                bool row_rht, int64_t row_stream,
+                                int64_t col_tile_rows, bool col_stochastic,
+                                bool col_rht, int64_t col_stream) {
   const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
                              row_stream};
   const QuantizeOptions cols{col_tile_rows, col_stochastic, col_rht,
                              col_stream};
-  if (auto e = QuantizeOutput(x, false, row_amax, key, rows, row_codes,
-                              row_scales);
+  if (auto e =
+          QuantizeOutput(x, false, row_amax, key, rows, row_codes, row_scales);
       e.failure()) {
     return e;
   }
@@ -186,7 +190,8 @@ ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
   }
   MatrixDims d;
   if (!Rank3Dims(x, &d)) return InvalidArgument("expected a rank-3 input");
-  if (rht_axis != 1 && rht_axis != 2) return InvalidArgument("rht_axis is 1 or 2");
+  if (rht_axis != 1 && rht_axis != 2)
+    return InvalidArgument("rht_axis is 1 or 2");
   if ((rht_axis == 1 ? d.m : d.k) % kBlock != 0) {
     return InvalidArgument("the transformed axis must be a multiple of 16");
   }
@@ -201,8 +206,8 @@ ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
       float y[kBlock];
       RandomHadamard16(&q[c], y);
       for (int i = 0; i < kBlock; ++i) {
-        plain = fmaxf(plain, fabsf(q[c + i]));
-        transformed = fmaxf(transformed, fabsf(y[i]));
+        plain = MaxAbsIgnoringNan(plain, q[c + i]);
+        transformed = MaxAbsIgnoringNan(transformed, y[i]);
       }
     }
     out->typed_data()[2 * b] = plain;
@@ -219,7 +224,8 @@ ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
   if (dims.size() != 3) return InvalidArgument("expected a rank-3 output");
   const int64_t batch = dims[0], rows = dims[1], len = dims[2];
   const int64_t n_amax = amax.element_count();
-  if (len % kBlock != 0 || static_cast<int64_t>(codes.element_count()) != batch * rows * len / 2 ||
+  if (len % kBlock != 0 ||
+      static_cast<int64_t>(codes.element_count()) != batch * rows * len / 2 ||
       static_cast<int64_t>(scales.element_count()) !=
           batch * rows * len / kBlock ||
       scales.element_type() != ffi::DataType::F8E4M3FN || n_amax < 1 ||
@@ -230,15 +236,16 @@ ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
   if (out_type != ffi::DataType::F32 && out_type != ffi::DataType::BF16) {
     return InvalidArgument("dequantize output must be float32 or bfloat16");
   }
-  const uint8_t* scale_bytes = static_cast<const uint8_t*>(scales.untyped_data());
+  const uint8_t* scale_bytes =
+      static_cast<const uint8_t*>(scales.untyped_data());
   const uint8_t* code_bytes = codes.typed_data();
   for (int64_t b = 0; b < batch; ++b) {
     const float a = amax.typed_data()[b / (batch / n_amax)];
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t l = 0; l < len; ++l) {
         const int64_t flat = (b * rows + r) * len + l;
-        const float multiplier = BlockDecodeMultiplier(
-            E4M3Decode(scale_bytes[flat / kBlock]), a);
+        const float multiplier =
+            BlockDecodeMultiplier(E4M3Decode(scale_bytes[flat / kBlock]), a);
         const uint32_t code = (code_bytes[flat / 2] >> (4 * (flat & 1))) & 0xF;
         const float value = E2M1Decode(code) * multiplier;
         if (out_type == ffi::DataType::F32) {
@@ -271,18 +278,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsCpu,
                                   .Attr<bool>("rht")
                                   .Attr<int64_t>("stream"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeColsCpu,
-                              jax_nvfp4::QuantizeColsImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // x [b, m, k]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]
-                                  .Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2]
-                                  .Ret<ffi::Buffer<ffi::U8>>()   // codes [b,k,m/2]
-                                  .Ret<ffi::AnyBuffer>()         // scales [b,k,m/16]
-                                  .Attr<int64_t>("tile_rows")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("rht")
-                                  .Attr<int64_t>("stream"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4QuantizeColsCpu, jax_nvfp4::QuantizeColsImpl,
+    ffi::Ffi::Bind()
+        .Arg<ffi::AnyBuffer>()         // x [b, m, k]
+        .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]
+        .Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2]
+        .Ret<ffi::Buffer<ffi::U8>>()   // codes [b,k,m/2]
+        .Ret<ffi::AnyBuffer>()         // scales [b,k,m/16]
+        .Attr<int64_t>("tile_rows")
+        .Attr<bool>("stochastic")
+        .Attr<bool>("rht")
+        .Attr<int64_t>("stream"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsColsCpu,
                               jax_nvfp4::QuantizeRowsColsImpl,
@@ -310,8 +317,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4AmaxCpu, jax_nvfp4::AmaxImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // [b, 2]
                                   .Attr<int64_t>("rht_axis"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4DequantizeCpu,
-                              jax_nvfp4::DequantizeImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4DequantizeCpu, jax_nvfp4::DequantizeImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U8>>()   // codes
                                   .Arg<ffi::AnyBuffer>()         // e4m3 scales

@@ -3,19 +3,24 @@
 // --fmad=false and without fast-math so that every float operation rounds as
 // written (IEEE division, no FMA contraction, no flush to zero).
 //
-// Kernels:
-//   * QuantizeTileKernel: one CTA of 256 threads per 128 (m) x 64 (k) tile of
-//     x[b]; the tile is read once with 16-byte loads, quantized row-wise from
-//     registers and staged (raw, XOR-swizzled) in shared memory for the
-//     column-wise copy. Serves quantize_cols and the fused quantize_rows_cols.
-//   * QuantizeRowsKernel: one thread per 16-element block along k.
+// Kernels (256 threads per CTA):
+//   * QuantizeTileKernel: persistent CTAs over 128 (m) x 64 (k) tiles of
+//     x[b]; a tile is read once with coalesced 16-byte loads into shared
+//     memory, quantized along k (rows) and along m (columns) from there, and
+//     its code and scale bytes are written back in whole sectors. Serves
+//     quantize_cols and the fused quantize_rows_cols.
+//   * QuantizeRowsKernel: persistent threads, one 16-element block along k
+//     at a time (the next block's loads in flight).
 //   * AmaxKernel: one thread per 16-element chunk along the transformed axis,
 //     a block reduction, then one atomicMax per block and output.
 //   * DequantizeKernel: one thread per 16-element block.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "handler_common.h"
@@ -25,9 +30,19 @@
 namespace jax_nvfp4 {
 namespace {
 
-constexpr int kThreads = 256;       // threads of every CTA
-constexpr int kTileM = 128;         // tile rows (m) of QuantizeTileKernel
-constexpr int kTileK = 64;          // tile columns (k) of QuantizeTileKernel
+constexpr int kThreads = 256;  // threads of every CTA
+constexpr int kTileM = 128;    // tile rows (m) of QuantizeTileKernel
+constexpr int kTileK = 64;     // tile columns (k) of QuantizeTileKernel
+// QuantizeTileKernel occupancy target: 3 CTAs per SM (<= 80 registers) for
+// 16-bit inputs on sm_90; 2 for float32, and on sm_100, where 80 registers
+// would spill.
+template <int kBytes>
+constexpr int kTileCtasPerSm =
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+    2;
+#else
+    kBytes == 2 ? 3 : 2;
+#endif
 constexpr int64_t kMaxGrid = 0x7FFFFFFF;  // gridDim.x limit
 
 // ---------------------------------------------------------------------------
@@ -43,6 +58,9 @@ struct In;
 template <>
 struct In<InType::kF32> {
   static constexpr int kBytes = 4;
+  static __device__ __forceinline__ float FromRaw(uint32_t raw) {
+    return BitsToFloat(raw);
+  }
   static __device__ __forceinline__ float Element(const uint32_t* w, int j) {
     return BitsToFloat(w[j]);
   }
@@ -51,16 +69,22 @@ struct In<InType::kF32> {
 template <>
 struct In<InType::kBf16> {
   static constexpr int kBytes = 2;
+  static __device__ __forceinline__ float FromRaw(uint32_t raw) {
+    return Bfloat16BitsToFloat(static_cast<uint16_t>(raw));
+  }
   static __device__ __forceinline__ float Element(const uint32_t* w, int j) {
-    return Bfloat16BitsToFloat(static_cast<uint16_t>(w[j >> 1] >> (16 * (j & 1))));
+    return FromRaw(w[j >> 1] >> (16 * (j & 1)));
   }
 };
 
 template <>
 struct In<InType::kF16> {
   static constexpr int kBytes = 2;
+  static __device__ __forceinline__ float FromRaw(uint32_t raw) {
+    return Float16BitsToFloat(static_cast<uint16_t>(raw));
+  }
   static __device__ __forceinline__ float Element(const uint32_t* w, int j) {
-    return Float16BitsToFloat(static_cast<uint16_t>(w[j >> 1] >> (16 * (j & 1))));
+    return FromRaw(w[j >> 1] >> (16 * (j & 1)));
   }
 };
 
@@ -123,6 +147,165 @@ __device__ __forceinline__ void WordsToFloats(const uint32_t (&w)[kWords<T>],
 }
 
 // ---------------------------------------------------------------------------
+// Fast forms of the per-element arithmetic of nvfp4_numerics.h.
+//
+// These kernels are bound by instruction issue, mostly on the integer/compare
+// pipe (half rate on Hopper) and the conversion pipe (quarter rate). The
+// header's E2M1RoundNearest / E2M1RoundStochastic take the minimum of three
+// candidate indices made with rintf / floorf and a float -> int conversion:
+// four conversion-pipe instructions (FRND x3, F2I) per element, plus a NaN
+// select and a sign extraction. The forms below compute the same minimum with
+// the integer rounding done by adding m = 2^23 + 8 * sign(v) (FMA pipe): the
+// sum rounds a * 2^k to an integer (round to nearest even, or toward zero
+// with the _rz forms, as rintf / floorf do for a >= 0) and its low 4 bits
+// are then the code, sign included. They equal the header functions for
+// every non-NaN input -- checked exhaustively on an H200, all 2^32 float bit
+// patterns (x all 256 random bytes for stochastic rounding) -- and a block
+// whose scaled values hold a NaN (found by one sum over the block) is left to
+// the header's own EncodeBlock16.
+//
+// RandomHadamard16Fast is the header's RandomHadamard16 (its
+// HadamardButterfly16, then the rounding to bfloat16) with the final rounding
+// to bfloat16 done by cvt.rn.bf16x2.f32, which equals RoundToBfloat16 for every
+// non-NaN float (checked exhaustively). A NaN stays a NaN with another
+// payload, which no output can show: amax ignores NaN and a block holding a
+// NaN is encoded by the header's EncodeBlock16 (NaN -> kNanCode).
+//
+// Building with -DJAX_NVFP4_CUDA_HEADER_ARITHMETIC uses the header's
+// EncodeBlock16 and RandomHadamard16 verbatim instead (same bytes, slower).
+// ---------------------------------------------------------------------------
+#if !defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
+constexpr float kTwo23 = 8388608.0f;  // 2^23: integers are exact below 2^24
+
+// 2^23 + 8 * sign(v): the code offset of v.
+__device__ __forceinline__ float CodeOffset(float v) {
+  return __fsub_rn(kTwo23 + 4.0f, copysignf(4.0f, v));
+}
+
+// min(candidates, cap) -> bits 0x4B000000 + code.
+__device__ __forceinline__ uint32_t CodeBits(float g1, float g2, float g3,
+                                             float m) {
+  return FloatBits(fminf(fminf(g1, g2), fminf(g3, __fadd_rn(m, 7.0f))));
+}
+
+// E2M1RoundNearest(v) for non-NaN v, as 0x4B000000 + code.
+__device__ __forceinline__ uint32_t NearestCodeBits(float v) {
+  const float a = fabsf(v);
+  const float m = CodeOffset(v);
+  const float g1 = __fmaf_rn(a, 2.0f, m);                   // m + rne(2a)
+  const float g2 = __fadd_rn(__fadd_rn(a, m), 2.0f);        // m + rne(a) + 2
+  const float g3 = __fadd_rn(__fmaf_rn(a, 0.5f, m), 4.0f);  // m + rne(a/2) + 4
+  return CodeBits(g1, g2, g3, m);
+}
+
+// E2M1RoundStochastic(v, byte) for non-NaN v, as 0x4B000000 + code;
+// `byte_as_float` is float(byte).
+__device__ __forceinline__ uint32_t StochasticCodeBits(float v,
+                                                       float byte_as_float) {
+  const float a = fabsf(v);
+  // t exactly as in E2M1RoundStochastic: u * step(a) = byte * (step(a) / 256)
+  // is exact either way, and t = a + (that) is the one rounding.
+  const float t =
+      __fadd_rn(a, __fmul_rn(byte_as_float, E2M1Step(a) * (1.0f / 256.0f)));
+  const float m = CodeOffset(v);
+  const float h1 = __fmaf_rz(t, 2.0f, m);             // m + floor(2t)
+  const float h2 = __fadd_rn(__fadd_rz(t, m), 2.0f);  // m + floor(t) + 2
+  const float h3 =
+      __fadd_rn(__fmaf_rz(t, 0.5f, m), 4.0f);  // m + floor(t/2) + 4
+  return CodeBits(h1, h2, h3, m);
+}
+
+// float(byte k of word), exact: the byte in the mantissa of 2^23.
+__device__ __forceinline__ float ByteAsFloat(uint32_t word, int k) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650u + k)) - kTwo23;
+}
+
+// Blocks that hold a NaN: the header's EncodeBlock16, out of line (the
+// values travel by value, in registers).
+struct Block16 {
+  float v[kBlock];
+};
+
+__device__ __noinline__ uint64_t EncodeBlock16WithNan(Block16 block,
+                                                      float encode_multiplier,
+                                                      bool stochastic,
+                                                      uint64_t random_lo,
+                                                      uint64_t random_hi) {
+  return EncodeBlock16(block.v, encode_multiplier, stochastic, random_lo,
+                       random_hi);
+}
+#endif  // !JAX_NVFP4_CUDA_HEADER_ARITHMETIC
+
+// EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi).
+__device__ __forceinline__ uint64_t EncodeBlock16Fast(const float (&v)[kBlock],
+                                                      float encode_multiplier,
+                                                      bool stochastic,
+                                                      uint64_t random_lo,
+                                                      uint64_t random_hi) {
+#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
+  return EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi);
+#else
+  float scaled[kBlock];
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) scaled[i] = v[i] * encode_multiplier;
+  // NaN if an element is NaN (or holds +inf and -inf: also the slow path).
+  float probe[kBlock / 2];
+#pragma unroll
+  for (int i = 0; i < kBlock / 2; ++i) probe[i] = scaled[i] + scaled[i + 8];
+#pragma unroll
+  for (int n = kBlock / 4; n > 0; n /= 2) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) probe[i] = probe[i] + probe[i + n];
+  }
+  if (probe[0] != probe[0]) {
+    Block16 block;
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) block.v[i] = v[i];
+    return EncodeBlock16WithNan(block, encode_multiplier, stochastic, random_lo,
+                                random_hi);
+  }
+  // Codes as bits 0x4B000000 + code, packed with multiply-adds; the 0x4B of
+  // elements 0 and 1 (the rest shift out) is subtracted at the end.
+  constexpr uint32_t kPackedOffset = 0x4B000000u + (0x4B000000u << 4);
+  uint32_t half[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) {
+    uint32_t bits;
+    if (stochastic) {
+      const uint64_t bytes = i < 8 ? random_lo : random_hi;
+      const uint32_t word =
+          static_cast<uint32_t>(bytes >> (32 * ((i >> 2) & 1)));
+      bits = StochasticCodeBits(scaled[i], ByteAsFloat(word, i & 3));
+    } else {
+      bits = NearestCodeBits(scaled[i]);
+    }
+    half[i >> 3] += bits << (4 * (i & 7));
+  }
+  return static_cast<uint64_t>(half[0] - kPackedOffset) |
+         (static_cast<uint64_t>(half[1] - kPackedOffset) << 32);
+#endif
+}
+
+// RandomHadamard16 with the bfloat16 rounding in hardware (see above).
+__device__ __forceinline__ void RandomHadamard16Fast(const float (&x)[kBlock],
+                                                     float (&y)[kBlock]) {
+#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
+  RandomHadamard16(x, y);
+#else
+  float z[kBlock];
+  HadamardButterfly16(x, z);
+  // RoundToBfloat16 of each result, two per instruction.
+#pragma unroll
+  for (int i = 0; i < kBlock; i += 2) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(z[i], z[i + 1]);
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(&b);
+    y[i] = BitsToFloat(w << 16);
+    y[i + 1] = BitsToFloat(w & 0xFFFF0000u);
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // One quantized output: where it goes and how it is produced.
 // ---------------------------------------------------------------------------
 struct OutputArgs {
@@ -142,31 +325,45 @@ struct KeyArgs {
   int64_t batch_per_key;  // batch / n_key
 };
 
+// fmaxf over fabsf(v[i]) from 0.0f; a tree (the maximum of values >= +0,
+// NaN ignored, does not depend on the order).
 __device__ __forceinline__ float BlockAmax(const float (&v)[kBlock]) {
-  float a = 0.0f;
+  float a[kBlock / 2];
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) a = fmaxf(a, fabsf(v[i]));
-  return a;
+  for (int i = 0; i < kBlock / 2; ++i) {
+    a[i] = fmaxf(fmaxf(0.0f, fabsf(v[i])), fabsf(v[i + kBlock / 2]));
+  }
+#pragma unroll
+  for (int n = kBlock / 4; n > 0; n /= 2) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) a[i] = fmaxf(a[i], a[i + n]);
+  }
+  return a[0];
 }
 
 // In place: the Random Hadamard Transform of v when `rht`.
 __device__ __forceinline__ void MaybeRht(bool rht, float (&v)[kBlock]) {
   if (rht) {
     float y[kBlock];
-    RandomHadamard16(v, y);
+    RandomHadamard16Fast(v, y);
 #pragma unroll
     for (int i = 0; i < kBlock; ++i) v[i] = y[i];
   }
 }
 
+// One quantized 16-element block: its 8 code bytes (little-endian) and its
+// E4M3 scale byte.
+struct EncodedBlock {
+  uint64_t packed;
+  uint8_t scale;
+};
+
 // Quantizes one 16-element block (already transformed) whose scale comes
-// from `block_amax`, and stores its 8 code bytes and scale byte. `flat` is
-// the flat index of v[0] in the quantized layout (a multiple of 16).
-__device__ __forceinline__ void EncodeAndStore(const float (&v)[kBlock],
-                                               float block_amax, GlobalScale g,
-                                               const OutputArgs& out,
-                                               uint32_t key0, uint32_t key1,
-                                               uint64_t flat) {
+// from `block_amax`. `flat` is the flat index of v[0] in the quantized layout
+// (a multiple of 16), which picks the stochastic-rounding bits.
+__device__ __forceinline__ EncodedBlock EncodeBlock(
+    const float (&v)[kBlock], float block_amax, GlobalScale g,
+    const OutputArgs& out, uint32_t key0, uint32_t key1, uint64_t flat) {
   const float scale = BlockScale(block_amax, g);
   const float multiplier = BlockEncodeMultiplier(scale, g);
   uint64_t packed;
@@ -174,13 +371,18 @@ __device__ __forceinline__ void EncodeAndStore(const float (&v)[kBlock],
     const uint64_t w = flat / 8;
     const uint64_t random_lo = RandomBytes8(key0, key1, out.stream, w);
     const uint64_t random_hi = RandomBytes8(key0, key1, out.stream, w + 1);
-    packed = EncodeBlock16(v, multiplier, /*stochastic=*/true, random_lo,
-                           random_hi);
+    packed = EncodeBlock16Fast(v, multiplier, /*stochastic=*/true, random_lo,
+                               random_hi);
   } else {
-    packed = EncodeBlock16(v, multiplier, /*stochastic=*/false, 0, 0);
+    packed = EncodeBlock16Fast(v, multiplier, /*stochastic=*/false, 0, 0);
   }
-  uint8_t* codes = out.codes + flat / 2;
-  if (out.codes_aligned) {
+  return {packed, E4M3Encode(scale)};
+}
+
+// Stores 8 code bytes at `codes` (a multiple of 8 bytes into the output).
+__device__ __forceinline__ void StoreCodes(uint8_t* codes, uint64_t packed,
+                                           bool aligned) {
+  if (aligned) {
     *reinterpret_cast<uint64_t*>(codes) = packed;  // little-endian bytes
   } else {
 #pragma unroll
@@ -188,37 +390,57 @@ __device__ __forceinline__ void EncodeAndStore(const float (&v)[kBlock],
       codes[byte] = static_cast<uint8_t>(packed >> (8 * byte));
     }
   }
-  out.scales[flat / kBlock] = E4M3Encode(scale);
+}
+
+__device__ __forceinline__ void EncodeAndStore(const float (&v)[kBlock],
+                                               float block_amax, GlobalScale g,
+                                               const OutputArgs& out,
+                                               uint32_t key0, uint32_t key1,
+                                               uint64_t flat) {
+  const EncodedBlock e = EncodeBlock(v, block_amax, g, out, key0, key1, flat);
+  StoreCodes(out.codes + flat / 2, e.packed, out.codes_aligned);
+  out.scales[flat / kBlock] = e.scale;
+}
+
+// a / b for a >= 0, b > 0, with a 32-bit division when both fit.
+__device__ __forceinline__ int64_t Div(int64_t a, int64_t b) {
+  if (((a | b) >> 32) == 0) {
+    return static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+  }
+  return a / b;
 }
 
 __device__ __forceinline__ GlobalScale GlobalScaleOf(const OutputArgs& out,
                                                      int64_t b) {
-  return GlobalScaleFromAmax(out.amax[b / out.batch_per_amax]);
+  return GlobalScaleFromAmax(out.amax[Div(b, out.batch_per_amax)]);
 }
 
 // ---------------------------------------------------------------------------
 // QuantizeTileKernel: x [batch, m, k] -> row-wise output [batch, m, k]
 // (quantized along k) and/or column-wise output [batch, k, m] (along m).
 //
-// One CTA per kTileM x kTileK tile of one batch item (grid-stride over
-// tiles). Warp w owns tile rows 16w .. 16w + 15:
-//   load + row phase: lane l takes row 16w + l / 2 and the k-blocks
-//     2s + l % 2 (s = 0, 1): two 16-element row blocks, read with 16-byte
-//     loads, quantized from registers and stored raw into shared memory;
-//   column phase: lane l takes columns 2l and 2l + 1 (two 16-element column
-//     blocks, m = 16w .. 16w + 15) from shared memory.
-// 16x16 tiles reduce their amax with shuffles: over lanes of equal l % 2 for
-// the rows (16 rows = 16 lanes), over 8 neighbouring lanes for the columns.
-//
-// Shared memory holds the tile's raw bits, row r at r * kTileK elements, its
-// 16-byte chunks XOR-swizzled by Swizzle(r) so that the row blocks' 16-byte
-// stores of a quarter warp (4 rows) hit distinct banks; the column phase
-// reads whole rows and is conflict-free under any chunk permutation.
+// Persistent CTAs of 256 threads walk kTileM x kTileK tiles of one batch item
+// (k tiles fastest); the loads of the next tile are in flight while a tile is
+// quantized. Per tile:
+//   1. load: the tile's 16-byte chunks, consecutive threads on consecutive
+//      chunks (a warp reads whole rows), into shared memory (raw bits, each
+//      row's chunks XOR-swizzled by Swizzle(row): conflict-free accesses);
+//   2. row phase: warp w takes tile rows 16w .. 16w + 15, lane l row
+//      16w + l / 2 and k-blocks 2s + l % 2 (s = 0, 1);
+//      column phase: lane l takes columns l and l + 32 of rows
+//      16w .. 16w + 15 (two 16-element column blocks);
+//      16x16 tiles reduce their amax with shuffles: over lanes of equal
+//      l % 2 for the rows, over 16 neighbouring lanes for the columns;
+//      the code and scale bytes go to shared memory;
+//   3. store: consecutive threads write consecutive 8-byte code groups and
+//      scale bytes, so every warp store covers whole 32-byte sectors of the
+//      output rows (direct stores from the column phase would write 8 bytes
+//      into each of 32 output rows).
 // ---------------------------------------------------------------------------
 struct TileArgs {
   const void* x;
   int64_t batch, m, k;
-  int64_t m_tiles, k_tiles, tiles;
+  int64_t m_tiles, k_tiles, tiles;  // tiles = batch * m_tiles * k_tiles
   bool x_vec;  // x is 16-byte aligned and so is every row (k * bytes % 16)
   KeyArgs key;
   OutputArgs row;  // [batch, m, k] quantized along k
@@ -234,66 +456,141 @@ __device__ __forceinline__ int Swizzle(int r) {
   }
 }
 
+struct TilePos {
+  int64_t b, m0, k0;
+};
+
+__device__ __forceinline__ TilePos TileAt(const TileArgs& args, int64_t tile) {
+  const int64_t rest = Div(tile, args.k_tiles);
+  const int64_t b = Div(rest, args.m_tiles);
+  return {b, (rest - b * args.m_tiles) * kTileM,
+          (tile - rest * args.k_tiles) * kTileK};
+}
+
+template <InType T>
+constexpr int kRowChunks = kTileK * In<T>::kBytes / 16;  // chunks per row
+template <InType T>
+constexpr int kChunksPerThread = kTileM * kRowChunks<T> / kThreads;
+
+// Raw bits of elements [first, first + count) of x (count <= elements per
+// 16-byte chunk), zero-filled; one 16-byte load when `vec` and count is full.
+template <InType T>
+__device__ __forceinline__ uint4 LoadChunk(const void* x, int64_t first,
+                                           int count, bool vec) {
+  constexpr int kPerChunk = 16 / In<T>::kBytes;
+  if (vec && count == kPerChunk) {
+    return __ldg(reinterpret_cast<const uint4*>(static_cast<const char*>(x) +
+                                                first * In<T>::kBytes));
+  }
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int j = 0; j < kPerChunk; ++j) {
+    if (j < count) {
+      const uint32_t e = LoadRawElement<T>(x, first + j);
+      if constexpr (In<T>::kBytes == 4) {
+        w[j] = e;
+      } else {
+        w[j >> 1] |= e << (16 * (j & 1));
+      }
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Starts the loads of this thread's chunks of a tile: chunk
+// i * kThreads + threadIdx.x of the tile, row-major.
+template <InType T>
+__device__ __forceinline__ void LoadTileChunks(
+    const TileArgs& args, const TilePos& p,
+    uint4 (&chunks)[kChunksPerThread<T>]) {
+  constexpr int kPerChunk = 16 / In<T>::kBytes;
+#pragma unroll
+  for (int i = 0; i < kChunksPerThread<T>; ++i) {
+    const int q = i * kThreads + threadIdx.x;
+    const int64_t m = p.m0 + q / kRowChunks<T>;
+    const int64_t kfirst = p.k0 + kPerChunk * (q % kRowChunks<T>);
+    const int64_t left = args.k - kfirst;  // elements of this row left
+    const int count =
+        m >= args.m || left <= 0
+            ? 0
+            : (left >= kPerChunk ? kPerChunk : static_cast<int>(left));
+    chunks[i] = LoadChunk<T>(args.x, (p.b * args.m + m) * args.k + kfirst,
+                             count, args.x_vec);
+  }
+}
+
+template <InType T>
+struct TileSmem {
+  uint4 x[kTileM * kRowChunks<T>];  // raw tile, row-major, swizzled chunks
+  uint2 row_codes[kTileM][kTileK / kBlock];  // [tile row][k-block ^ swz]
+  uint8_t row_scales[kTileM][kTileK / kBlock];
+  uint2 col_codes[kTileK][kTileM / kBlock + 1];  // [tile column][m-block]
+  uint8_t col_scales[kTileK][kTileM / kBlock];
+};
+
+// Row-code staging swizzle: rows r and r + 4 of a half warp use other banks.
+__device__ __forceinline__ int RowCodeSlot(int r, int kb) {
+  return kb ^ (2 * ((r >> 2) & 1));
+}
+
 template <InType T, bool kRows, bool kCols>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
     QuantizeTileKernel(const TileArgs args) {
   constexpr int kBytes = In<T>::kBytes;
-  constexpr int kRowChunks = kTileK * kBytes / 16;  // 16-byte chunks per row
-  __shared__ uint4 tile_smem[kTileM * kRowChunks];
+  constexpr int kBlocksK = kTileK / kBlock;  // k-blocks per tile row (4)
+  constexpr int kBlocksM = kTileM / kBlock;  // m-blocks per tile column (8)
+  __shared__ TileSmem<T> smem;
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
 
-  for (int64_t tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
-    const int64_t kt = tile % args.k_tiles;
-    const int64_t rest = tile / args.k_tiles;
-    const int64_t mt = rest % args.m_tiles;
-    const int64_t b = rest / args.m_tiles;
-    const int64_t m0 = mt * kTileM;
-    const int64_t k0 = kt * kTileK;
-    const int64_t kk = b / args.key.batch_per_key;
+  int64_t tile = blockIdx.x;
+  if (tile >= args.tiles) return;
+  TilePos pos = TileAt(args, tile);
+  uint4 chunks[kChunksPerThread<T>];
+  LoadTileChunks<T>(args, pos, chunks);
+  for (;;) {
+    // ---- 1. Stage the tile; start loading the next one. ----
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread<T>; ++i) {
+      const int q = i * kThreads + threadIdx.x;
+      const int row = q / kRowChunks<T>;
+      smem.x[row * kRowChunks<T> + ((q % kRowChunks<T>)^Swizzle<T>(row))] =
+          chunks[i];
+    }
+    const int64_t next = tile + gridDim.x;
+    TilePos next_pos = pos;
+    if (next < args.tiles) {
+      next_pos = TileAt(args, next);
+      LoadTileChunks<T>(args, next_pos, chunks);
+    }
+    __syncthreads();
+
+    const int64_t kk = Div(pos.b, args.key.batch_per_key);
     const uint32_t key0 = args.key.key[2 * kk];
     const uint32_t key1 = args.key.key[2 * kk + 1];
 
-    // ---- Load the two row blocks of this thread; stage them. ----
-    const int r = 16 * warp + lane / 2;  // tile row
-    const int64_t m = m0 + r;
-    uint32_t w[2][kWords<T>];
-    int count[2];
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int kb = 2 * s + lane % 2;
-      const int64_t kfirst = k0 + kBlock * kb;
-      const int64_t left = args.k - kfirst;  // elements of this row left
-      count[s] = m >= args.m || left <= 0
-                     ? 0
-                     : (left >= kBlock ? kBlock : static_cast<int>(left));
-      LoadBlockWords<T>(args.x, (b * args.m + m) * args.k + kfirst, count[s],
-                        args.x_vec, w[s]);
-    }
-    if (kCols) {
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int kb = 2 * s + lane % 2;
-#pragma unroll
-        for (int c = 0; c < kChunks<T>; ++c) {
-          const int chunk = (kChunks<T> * kb + c) ^ Swizzle<T>(r);
-          tile_smem[r * kRowChunks + chunk] =
-              make_uint4(w[s][4 * c], w[s][4 * c + 1], w[s][4 * c + 2],
-                         w[s][4 * c + 3]);
-        }
-      }
-    }
-
-    // ---- Row phase: quantize along k from registers. ----
+    // ---- 2a. Row phase: quantize along k. ----
     if (kRows) {
       const OutputArgs& out = args.row;
-      const GlobalScale g = GlobalScaleOf(out, b);
-#pragma unroll
+      const GlobalScale g = GlobalScaleOf(out, pos.b);
+      const int r = 16 * warp + lane / 2;
+      const int64_t m = pos.m0 + r;
+#pragma unroll 1  // one block at a time: fewer registers, more warps
       for (int s = 0; s < 2; ++s) {
         const int kb = 2 * s + lane % 2;
+        uint32_t w[kWords<T>];
+#pragma unroll
+        for (int c = 0; c < kChunks<T>; ++c) {
+          const uint4 q = smem.x[r * kRowChunks<T> +
+                                 ((kChunks<T> * kb + c) ^ Swizzle<T>(r))];
+          w[4 * c] = q.x;
+          w[4 * c + 1] = q.y;
+          w[4 * c + 2] = q.z;
+          w[4 * c + 3] = q.w;
+        }
         float v[kBlock];
-        WordsToFloats<T>(w[s], v);
+        WordsToFloats<T>(w, v);
         MaybeRht(out.rht, v);
         float block_amax = BlockAmax(v);
         if (out.tile16) {  // rows 16w .. 16w + 15: lanes of equal l % 2
@@ -303,73 +600,113 @@ __global__ void __launch_bounds__(kThreads)
                 block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, offset));
           }
         }
-        if (count[s] == kBlock) {
-          const uint64_t flat = static_cast<uint64_t>(
-              (b * args.m + m) * args.k + k0 + kBlock * kb);
-          EncodeAndStore(v, block_amax, g, out, key0, key1, flat);
-        }
+        const uint64_t flat = static_cast<uint64_t>(
+            (pos.b * args.m + m) * args.k + pos.k0 + kBlock * kb);
+        const EncodedBlock e =
+            EncodeBlock(v, block_amax, g, out, key0, key1, flat);
+        smem.row_codes[r][RowCodeSlot(r, kb)] =
+            make_uint2(static_cast<uint32_t>(e.packed),
+                       static_cast<uint32_t>(e.packed >> 32));
+        smem.row_scales[r][kb] = e.scale;
       }
     }
 
-    // ---- Column phase: quantize along m from shared memory. ----
+    // ---- 2b. Column phase: quantize along m. ----
     if (kCols) {
-      __syncthreads();
       const OutputArgs& out = args.col;
-      const GlobalScale g = GlobalScaleOf(out, b);
-      // Columns 2 * lane and 2 * lane + 1 of rows 16w .. 16w + 15.
-      float va[kBlock], vb[kBlock];
+      const GlobalScale g = GlobalScaleOf(out, pos.b);
+#pragma unroll 1  // one block at a time: fewer registers, more warps
+      for (int s = 0; s < 2; ++s) {
+        // Tile column c = lane + 32s, rows 16w .. 16w + 15.
+        const int c = lane + 32 * s;
+        constexpr int kPerChunk = 16 / kBytes;
+        float v[kBlock];
 #pragma unroll
-      for (int j = 0; j < kBlock; ++j) {
-        const int row = 16 * warp + j;
-        if constexpr (kBytes == 2) {
-          const int chunk = (lane / 4) ^ Swizzle<T>(row);
-          const uint32_t word = reinterpret_cast<const uint32_t*>(
-              tile_smem)[(row * kRowChunks + chunk) * 4 + lane % 4];
-          va[j] = In<T>::Element(&word, 0);
-          vb[j] = In<T>::Element(&word, 1);
-        } else {
-          const int chunk = (lane / 2) ^ Swizzle<T>(row);
-          const uint2 pair = reinterpret_cast<const uint2*>(
-              tile_smem)[(row * kRowChunks + chunk) * 2 + lane % 2];
-          va[j] = BitsToFloat(pair.x);
-          vb[j] = BitsToFloat(pair.y);
+        for (int j = 0; j < kBlock; ++j) {
+          const int row = 16 * warp + j;
+          const int chunk = (c / kPerChunk) ^ Swizzle<T>(row);
+          const char* p = reinterpret_cast<const char*>(smem.x) +
+                          (row * kRowChunks<T> + chunk) * 16 +
+                          (c % kPerChunk) * kBytes;
+          if constexpr (kBytes == 2) {
+            v[j] = In<T>::FromRaw(*reinterpret_cast<const uint16_t*>(p));
+          } else {
+            v[j] = In<T>::FromRaw(*reinterpret_cast<const uint32_t*>(p));
+          }
         }
-      }
-      MaybeRht(out.rht, va);
-      MaybeRht(out.rht, vb);
-      float amax_a = BlockAmax(va);
-      float amax_b = BlockAmax(vb);
-      if (out.tile16) {  // k = 16g .. 16g + 15: lanes 8g .. 8g + 7, 2 each
-        float t = fmaxf(amax_a, amax_b);
+        MaybeRht(out.rht, v);
+        float block_amax = BlockAmax(v);
+        if (out.tile16) {  // columns 16g .. 16g + 15: 16 neighbouring lanes
 #pragma unroll
-        for (int offset = 1; offset < 8; offset *= 2) {
-          t = fmaxf(t, __shfl_xor_sync(0xFFFFFFFFu, t, offset));
+          for (int offset = 1; offset < 16; offset *= 2) {
+            block_amax = fmaxf(
+                block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, offset));
+          }
         }
-        amax_a = t;
-        amax_b = t;
+        const uint64_t flat = static_cast<uint64_t>(
+            (pos.b * args.k + pos.k0 + c) * args.m + pos.m0 + 16 * warp);
+        const EncodedBlock e =
+            EncodeBlock(v, block_amax, g, out, key0, key1, flat);
+        smem.col_codes[c][warp] =
+            make_uint2(static_cast<uint32_t>(e.packed),
+                       static_cast<uint32_t>(e.packed >> 32));
+        smem.col_scales[c][warp] = e.scale;
       }
-      if (m0 + 16 * warp < args.m) {
-        const int64_t ka = k0 + 2 * lane;
-        const uint64_t flat_a = static_cast<uint64_t>(
-            (b * args.k + ka) * args.m + m0 + 16 * warp);
-        if (ka < args.k) {
-          EncodeAndStore(va, amax_a, g, out, key0, key1, flat_a);
-        }
-        if (ka + 1 < args.k) {
-          EncodeAndStore(vb, amax_b, g, out, key0, key1,
-                         flat_a + static_cast<uint64_t>(args.m));
-        }
-      }
-      __syncthreads();  // the next tile overwrites tile_smem
     }
+    __syncthreads();
+
+    // ---- 3. Store the staged bytes, whole sectors per warp. ----
+    // Piece p: (tile row p / 4, k-block p % 4) and (tile column p / 8,
+    // m-block p % 8); 512 of each, two per thread.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int p = i * kThreads + threadIdx.x;
+      if (kRows) {
+        const int r = p / kBlocksK;
+        const int kb = p % kBlocksK;
+        const int64_t m = pos.m0 + r;
+        const int64_t kfirst = pos.k0 + kBlock * kb;
+        if (m < args.m && kfirst < args.k) {  // k % 16 == 0 here
+          const uint64_t flat =
+              static_cast<uint64_t>((pos.b * args.m + m) * args.k + kfirst);
+          const uint2 c = smem.row_codes[r][RowCodeSlot(r, kb)];
+          StoreCodes(
+              args.row.codes + flat / 2,
+              static_cast<uint64_t>(c.x) | (static_cast<uint64_t>(c.y) << 32),
+              args.row.codes_aligned);
+          args.row.scales[flat / kBlock] = smem.row_scales[r][kb];
+        }
+      }
+      if (kCols) {
+        const int kc = p / kBlocksM;
+        const int mb = p % kBlocksM;
+        const int64_t kcol = pos.k0 + kc;
+        const int64_t mfirst = pos.m0 + kBlock * mb;
+        if (kcol < args.k && mfirst < args.m) {  // m % 16 == 0
+          const uint64_t flat =
+              static_cast<uint64_t>((pos.b * args.k + kcol) * args.m + mfirst);
+          const uint2 c = smem.col_codes[kc][mb];
+          StoreCodes(
+              args.col.codes + flat / 2,
+              static_cast<uint64_t>(c.x) | (static_cast<uint64_t>(c.y) << 32),
+              args.col.codes_aligned);
+          args.col.scales[flat / kBlock] = smem.col_scales[kc][mb];
+        }
+      }
+    }
+    if (next >= args.tiles) break;
+    tile = next;
+    pos = next_pos;
   }
 }
 
 // ---------------------------------------------------------------------------
 // QuantizeRowsKernel: x [batch, m, k] -> [batch, m, k] quantized along k.
-// Thread i takes one 16-element block. 1x16: block i in memory order. 16x16:
-// the 16 rows of a tile's k-block are 16 consecutive threads, which reduce
-// the tile amax with shuffles inside their half warp.
+// Persistent threads take 16-element blocks i, i + stride, ... (32 bytes of
+// x with 16-byte loads, 8 code bytes, one scale byte each). 1x16: block i in
+// memory order (coalesced). 16x16: the 16 rows of a tile's k-block are 16
+// consecutive threads, which reduce the tile amax with shuffles inside their
+// half warp.
 // ---------------------------------------------------------------------------
 struct RowsArgs {
   const void* x;
@@ -386,24 +723,39 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t k_blocks = args.k / kBlock;
   const uint32_t half_mask = 0xFFFFu << (threadIdx.x & 16);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  // blocks % 16 == 0 for 16x16 tiles, so a half warp stays together.
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-       i < args.blocks; i += stride) {
-    int64_t row, kb;  // row over batch * m
+  // First element of block i (and its row over batch * m).
+  const auto first_of = [&](int64_t i, int64_t* row) {
+    int64_t kb;
     if (args.out.tile16) {
       const int64_t group = i / 16;
-      row = (group / k_blocks) * 16 + i % 16;
-      kb = group % k_blocks;
+      const int64_t tile_row = Div(group, k_blocks);
+      *row = tile_row * 16 + i % 16;
+      kb = group - tile_row * k_blocks;
     } else {
-      row = i / k_blocks;
-      kb = i % k_blocks;
+      *row = Div(i, k_blocks);
+      kb = i - *row * k_blocks;
     }
-    const int64_t b = row / args.m;
-    const int64_t first = row * args.k + kb * kBlock;
-    uint32_t w[kWords<T>];
-    LoadBlockWords<T>(args.x, first, kBlock, args.x_vec, w);
+    return *row * args.k + kb * kBlock;
+  };
+  // Persistent threads: blocks i, i + stride, ...; the next block's loads are
+  // in flight while this one is quantized. blocks % 16 == 0 for 16x16 tiles,
+  // so a half warp stays together.
+  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= args.blocks) return;
+  int64_t row;
+  int64_t first = first_of(i, &row);
+  uint32_t w[kWords<T>];
+  LoadBlockWords<T>(args.x, first, kBlock, args.x_vec, w);
+  for (;;) {
     float v[kBlock];
     WordsToFloats<T>(w, v);
+    const int64_t next = i + stride;
+    int64_t next_row = row;
+    int64_t next_first = first;
+    if (next < args.blocks) {
+      next_first = first_of(next, &next_row);
+      LoadBlockWords<T>(args.x, next_first, kBlock, args.x_vec, w);
+    }
     MaybeRht(args.out.rht, v);
     float block_amax = BlockAmax(v);
     if (args.out.tile16) {
@@ -413,10 +765,15 @@ __global__ void __launch_bounds__(kThreads)
                            __shfl_xor_sync(half_mask, block_amax, offset, 16));
       }
     }
-    const int64_t kk = b / args.key.batch_per_key;
+    const int64_t b = Div(row, args.m);
+    const int64_t kk = Div(b, args.key.batch_per_key);
     EncodeAndStore(v, block_amax, GlobalScaleOf(args.out, b), args.out,
                    args.key.key[2 * kk], args.key.key[2 * kk + 1],
                    static_cast<uint64_t>(first));
+    if (next >= args.blocks) break;
+    i = next;
+    row = next_row;
+    first = next_first;
   }
 }
 
@@ -451,15 +808,15 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const AmaxArgs args) {
       LoadBlockWords<T>(args.x, base + c * kBlock, kBlock, args.x_vec, w);
       WordsToFloats<T>(w, v);
     } else {
-      const int64_t mb = c / args.k;
-      const int64_t col = c % args.k;
+      const int64_t mb = Div(c, args.k);
+      const int64_t col = c - mb * args.k;
       uint32_t w[kWords<T>];
 #pragma unroll
       for (int j = 0; j < kWords<T>; ++j) w[j] = 0;
 #pragma unroll
       for (int j = 0; j < kBlock; ++j) {
-        const uint32_t e = LoadRawElement<T>(
-            args.x, base + (mb * kBlock + j) * args.k + col);
+        const uint32_t e =
+            LoadRawElement<T>(args.x, base + (mb * kBlock + j) * args.k + col);
         if constexpr (In<T>::kBytes == 4) {
           w[j] = e;
         } else {
@@ -469,7 +826,7 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const AmaxArgs args) {
       WordsToFloats<T>(w, v);
     }
     float y[kBlock];
-    RandomHadamard16(v, y);
+    RandomHadamard16Fast(v, y);
 #pragma unroll
     for (int i = 0; i < kBlock; ++i) {
       plain = fmaxf(plain, fabsf(v[i]));
@@ -513,10 +870,21 @@ struct DequantizeArgs {
   int64_t blocks;            // batch * rows * len / 16
   int64_t blocks_per_batch;  // rows * len / 16
   int64_t batch_per_amax;
-  bool codes_aligned;  // 8-byte aligned
-  bool out_aligned;    // 16-byte aligned
+  bool codes_aligned;         // 8-byte aligned
+  bool out_aligned;           // 16-byte aligned
+  uint32_t host_default_nan;  // what 0 * inf gives on the host CPU
   void* out;
 };
+
+// float32 NaN results carry bits that differ between processors: a GPU
+// writes 0x7FFFFFFF, x86-64 the "default NaN" 0xFFC00000 for an invalid
+// operation (0 * inf) and the quieted operand when one operand is NaN. A
+// dequantized value is NaN only through amax (NaN: propagated, quieted) or
+// 0 * inf (default NaN), so the CPU handler's bits are reproduced exactly.
+__device__ __forceinline__ float HostNan(float amax, uint32_t default_nan) {
+  return BitsToFloat(amax != amax ? FloatBits(amax) | 0x00400000u
+                                  : default_nan);
+}
 
 template <bool kBf16Out>
 __global__ void __launch_bounds__(kThreads)
@@ -524,8 +892,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
        i < args.blocks; i += stride) {
-    const int64_t b = i / args.blocks_per_batch;
-    const float a = args.amax[b / args.batch_per_amax];
+    const int64_t b = Div(i, args.blocks_per_batch);
+    const float a = args.amax[Div(b, args.batch_per_amax)];
     const float multiplier =
         BlockDecodeMultiplier(E4M3Decode(args.scales[i]), a);
     uint64_t packed = 0;
@@ -562,12 +930,17 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     } else {
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) {
+        if (v[j] != v[j]) v[j] = HostNan(a, args.host_default_nan);
+      }
       float* out = static_cast<float*>(args.out) + kBlock * i;
       if (args.out_aligned) {
         float4* p = reinterpret_cast<float4*>(out);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          p[c] = make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
+          p[c] =
+              make_float4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
         }
       } else {
 #pragma unroll
@@ -580,6 +953,17 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------------------
 // Host side.
 // ---------------------------------------------------------------------------
+// The NaN that the host CPU makes of 0 * inf (0xFFC00000 on x86-64,
+// 0x7FC00000 on Arm), computed at run time (volatile: not folded).
+uint32_t HostDefaultNanBits() {
+  volatile float zero = 0.0f;
+  volatile float inf = INFINITY;
+  const float nan = zero * inf;
+  uint32_t bits;
+  std::memcpy(&bits, &nan, sizeof(bits));
+  return bits;
+}
+
 bool IsAligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
@@ -587,6 +971,26 @@ bool IsAligned(const void* p, uintptr_t bytes) {
 unsigned int GridFor(int64_t work_items) {
   return static_cast<unsigned int>(std::min<int64_t>(
       std::max<int64_t>((work_items + kThreads - 1) / kThreads, 1), kMaxGrid));
+}
+
+// Grid of a persistent kernel: as many CTAs as fit on the device at once
+// (at least 1), and no more than there is work for.
+template <typename Kernel>
+unsigned int PersistentGrid(Kernel kernel, int64_t work_ctas) {
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+                                                    0) != cudaSuccess) {
+    cudaGetLastError();  // clear it; fall back to a fixed grid
+    sms = 132;
+    per_sm = 2;
+  }
+  const int64_t resident =
+      static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1);
+  return static_cast<unsigned int>(
+      std::max<int64_t>(1, std::min(work_ctas, resident)));
 }
 
 ffi::Error LaunchError(const char* what) {
@@ -642,23 +1046,24 @@ KeyArgs MakeKeyArgs(const MatrixDims& d, const ffi::Buffer<ffi::U32>& key) {
                  d.batch / static_cast<int64_t>(key.element_count() / 2)};
 }
 
+template <InType T, bool kRows, bool kCols>
+void LaunchTileKernel(cudaStream_t stream, const TileArgs& args) {
+  const auto kernel = QuantizeTileKernel<T, kRows, kCols>;
+  kernel<<<PersistentGrid(kernel, args.tiles), kThreads, 0, stream>>>(args);
+}
+
 template <bool kRows, bool kCols>
 ffi::Error LaunchTile(cudaStream_t stream, ffi::DataType type,
                       const TileArgs& args) {
-  const unsigned int grid =
-      static_cast<unsigned int>(std::min<int64_t>(args.tiles, kMaxGrid));
   switch (type) {
     case ffi::DataType::BF16:
-      QuantizeTileKernel<InType::kBf16, kRows, kCols>
-          <<<grid, kThreads, 0, stream>>>(args);
+      LaunchTileKernel<InType::kBf16, kRows, kCols>(stream, args);
       break;
     case ffi::DataType::F16:
-      QuantizeTileKernel<InType::kF16, kRows, kCols>
-          <<<grid, kThreads, 0, stream>>>(args);
+      LaunchTileKernel<InType::kF16, kRows, kCols>(stream, args);
       break;
     default:
-      QuantizeTileKernel<InType::kF32, kRows, kCols>
-          <<<grid, kThreads, 0, stream>>>(args);
+      LaunchTileKernel<InType::kF32, kRows, kCols>(stream, args);
       break;
   }
   return LaunchError("quantize");
@@ -704,17 +1109,23 @@ ffi::Error QuantizeRowsCuda(cudaStream_t stream, ffi::AnyBuffer x,
   args.x_vec = IsAligned(args.x, 16);
   args.key = MakeKeyArgs(d, key);
   args.out = MakeOutputArgs(d, amax, options, codes, scales);
-  const unsigned int grid = GridFor(args.blocks);
+  const int64_t ctas = (args.blocks + kThreads - 1) / kThreads;
   switch (x.element_type()) {
-    case ffi::DataType::BF16:
-      QuantizeRowsKernel<InType::kBf16><<<grid, kThreads, 0, stream>>>(args);
+    case ffi::DataType::BF16: {
+      const auto kernel = QuantizeRowsKernel<InType::kBf16>;
+      kernel<<<PersistentGrid(kernel, ctas), kThreads, 0, stream>>>(args);
       break;
-    case ffi::DataType::F16:
-      QuantizeRowsKernel<InType::kF16><<<grid, kThreads, 0, stream>>>(args);
+    }
+    case ffi::DataType::F16: {
+      const auto kernel = QuantizeRowsKernel<InType::kF16>;
+      kernel<<<PersistentGrid(kernel, ctas), kThreads, 0, stream>>>(args);
       break;
-    default:
-      QuantizeRowsKernel<InType::kF32><<<grid, kThreads, 0, stream>>>(args);
+    }
+    default: {
+      const auto kernel = QuantizeRowsKernel<InType::kF32>;
+      kernel<<<PersistentGrid(kernel, ctas), kThreads, 0, stream>>>(args);
       break;
+    }
   }
   return LaunchError("quantize_rows");
 }
@@ -741,16 +1152,18 @@ ffi::Error QuantizeColsCuda(cudaStream_t stream, ffi::AnyBuffer x,
                                                      args);
 }
 
-ffi::Error QuantizeRowsColsCuda(
-    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
-    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
-    ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
-    ffi::Result<ffi::AnyBuffer> row_scales,
-    ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
-    ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
-    bool row_stochastic, bool row_rht, int64_t row_stream,
-    int64_t col_tile_rows, bool col_stochastic, bool col_rht,
-    int64_t col_stream) {
+ffi::Error QuantizeRowsColsCuda(cudaStream_t stream, ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::F32> row_amax,
+                                ffi::Buffer<ffi::F32> col_amax,
+                                ffi::Buffer<ffi::U32> key,
+                                ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
+                                ffi::Result<ffi::AnyBuffer> row_scales,
+                                ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
+                                ffi::Result<ffi::AnyBuffer> col_scales,
+                                int64_t row_tile_rows, bool row_stochastic,
+                                bool row_rht, int64_t row_stream,
+                                int64_t col_tile_rows, bool col_stochastic,
+                                bool col_rht, int64_t col_stream) {
   const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
                              row_stream};
   const QuantizeOptions cols{col_tile_rows, col_stochastic, col_rht,
@@ -781,7 +1194,8 @@ ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x,
   }
   MatrixDims d;
   if (!Rank3Dims(x, &d)) return InvalidArgument("expected a rank-3 input");
-  if (rht_axis != 1 && rht_axis != 2) return InvalidArgument("rht_axis is 1 or 2");
+  if (rht_axis != 1 && rht_axis != 2)
+    return InvalidArgument("rht_axis is 1 or 2");
   if ((rht_axis == 1 ? d.m : d.k) % kBlock != 0) {
     return InvalidArgument("the transformed axis must be a multiple of 16");
   }
@@ -818,11 +1232,11 @@ ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x,
   const unsigned int grid =
       static_cast<unsigned int>(d.batch * args.ctas_per_batch);
   const bool along_k = rht_axis == 2;
-#define JAX_NVFP4_LAUNCH_AMAX(T)                                        \
-  if (along_k) {                                                        \
-    AmaxKernel<T, true><<<grid, kThreads, 0, stream>>>(args);          \
-  } else {                                                              \
-    AmaxKernel<T, false><<<grid, kThreads, 0, stream>>>(args);         \
+#define JAX_NVFP4_LAUNCH_AMAX(T)                               \
+  if (along_k) {                                               \
+    AmaxKernel<T, true><<<grid, kThreads, 0, stream>>>(args);  \
+  } else {                                                     \
+    AmaxKernel<T, false><<<grid, kThreads, 0, stream>>>(args); \
   }
   switch (x.element_type()) {
     case ffi::DataType::BF16:
@@ -867,6 +1281,7 @@ ffi::Error DequantizeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
   args.codes_aligned = IsAligned(args.codes, 8);
   args.out = out->untyped_data();
   args.out_aligned = IsAligned(args.out, 16);
+  args.host_default_nan = HostDefaultNanBits();
   const unsigned int grid = GridFor(args.blocks);
   if (out_type == ffi::DataType::BF16) {
     DequantizeKernel<true><<<grid, kThreads, 0, stream>>>(args);

@@ -15,10 +15,11 @@ namespace ffi = xla::ffi;
 
 // How one quantized output is produced (the attributes of a quantize call).
 struct QuantizeOptions {
-  int64_t tile_rows;  // 1: 1x16 blocks; 16: 16x16 tiles (scale repeated per row)
-  bool stochastic;    // stochastic rounding of the elements
-  bool rht;           // Random Hadamard Transform along the quantized axis
-  int64_t stream;     // stochastic-rounding stream id, 0..255
+  int64_t
+      tile_rows;    // 1: 1x16 blocks; 16: 16x16 tiles (scale repeated per row)
+  bool stochastic;  // stochastic rounding of the elements
+  bool rht;         // Random Hadamard Transform along the quantized axis
+  int64_t stream;   // stochastic-rounding stream id, 0..255
 };
 
 // Dimensions of the [batch, m, k] input of a quantize call.
@@ -78,8 +79,10 @@ inline ffi::Error CheckQuantizeOperands(int64_t batch, int64_t rows,
 inline ffi::Error CheckOutputSizes(int64_t batch, int64_t rows, int64_t len,
                                    ffi::Result<ffi::Buffer<ffi::U8>>& codes,
                                    ffi::Result<ffi::AnyBuffer>& scales) {
-  if (static_cast<int64_t>(codes->element_count()) != batch * rows * (len / 2) ||
-      static_cast<int64_t>(scales->element_count()) != batch * rows * (len / 16) ||
+  if (static_cast<int64_t>(codes->element_count()) !=
+          batch * rows * (len / 2) ||
+      static_cast<int64_t>(scales->element_count()) !=
+          batch * rows * (len / 16) ||
       scales->element_type() != ffi::DataType::F8E4M3FN) {
     return InvalidArgument("output codes/scales have the wrong size or type");
   }

@@ -29,11 +29,11 @@
 
 namespace jax_nvfp4 {
 
-inline constexpr int kBlock = 16;             // elements per scale block
-inline constexpr float kE4M3Max = 448.0f;     // largest finite E4M3 value
-inline constexpr float kE2M1Max = 6.0f;       // largest E2M1 magnitude
-inline constexpr float kScaleRange = 2688.0f; // kE4M3Max * kE2M1Max
-inline constexpr uint8_t kNanCode = 0x7;      // NaN encodes as +6
+inline constexpr int kBlock = 16;              // elements per scale block
+inline constexpr float kE4M3Max = 448.0f;      // largest finite E4M3 value
+inline constexpr float kE2M1Max = 6.0f;        // largest E2M1 magnitude
+inline constexpr float kScaleRange = 2688.0f;  // kE4M3Max * kE2M1Max
+inline constexpr uint8_t kNanCode = 0x7;       // NaN encodes as +6
 
 NVFP4_HD uint32_t FloatBits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -120,6 +120,13 @@ NVFP4_HD float E4M3Decode(uint8_t byte) {
   return (byte & 0x80u) ? -magnitude : magnitude;
 }
 
+// max(acc, |v|) ignoring NaN (acc >= 0, never NaN). Written as a compare:
+// glibc's fmaxf returns NaN for a signaling NaN operand.
+NVFP4_HD float MaxAbsIgnoringNan(float acc, float v) {
+  const float a = fabsf(v);
+  return a > acc ? a : acc;
+}
+
 // Per-block scale s_b (as a float E4M3 value) from the block's amax.
 NVFP4_HD float BlockScale(float block_amax, GlobalScale g) {
   return E4M3RoundSatfinite(
@@ -177,8 +184,9 @@ NVFP4_HD uint8_t E2M1RoundNearest(float v) {
   const float a = fabsf(v);
   const float index =
       E2M1IndexMin(rintf(2.0f * a), rintf(a) + 2.0f, rintf(0.5f * a) + 4.0f);
-  return v != v ? kNanCode
-                : static_cast<uint8_t>(static_cast<uint32_t>(index) | SignBit(v));
+  return v != v
+             ? kNanCode
+             : static_cast<uint8_t>(static_cast<uint32_t>(index) | SignBit(v));
 }
 
 // Spacing of the E2M1 grid above a magnitude a.
@@ -198,10 +206,11 @@ NVFP4_HD uint8_t E2M1RoundStochastic(float v, uint32_t random_byte) {
   const float a = fabsf(v);
   const float u = static_cast<float>(random_byte) * (1.0f / 256.0f);
   const float t = a + u * E2M1Step(a);
-  const float index = E2M1IndexMin(floorf(2.0f * t), floorf(t) + 2.0f,
-                                   floorf(0.5f * t) + 4.0f);
-  return v != v ? kNanCode
-                : static_cast<uint8_t>(static_cast<uint32_t>(index) | SignBit(v));
+  const float index =
+      E2M1IndexMin(floorf(2.0f * t), floorf(t) + 2.0f, floorf(0.5f * t) + 4.0f);
+  return v != v
+             ? kNanCode
+             : static_cast<uint8_t>(static_cast<uint32_t>(index) | SignBit(v));
 }
 
 // ---------------------------------------------------------------------------
@@ -218,8 +227,7 @@ NVFP4_HD constexpr int Popcount4(uint32_t v) {
 
 // R[j][i] in {+0.25, -0.25}.
 NVFP4_HD constexpr float RhtEntry(int j, int i) {
-  return (((kRhtSignMask >> j) & 1u) ^ (Popcount4(j & i) & 1)) ? -0.25f
-                                                                  : 0.25f;
+  return (((kRhtSignMask >> j) & 1u) ^ (Popcount4(j & i) & 1)) ? -0.25f : 0.25f;
 }
 
 // Round a float32 to bfloat16 (nearest, ties to even) and back to float32.
@@ -230,12 +238,11 @@ NVFP4_HD float RoundToBfloat16(float f) {
   return BitsToFloat(bits);
 }
 
-// y = bf16(x16 * R): z_j = x_j * s_j * 0.25 (exact), then z * H16 by the
-// radix-2 fast Walsh-Hadamard butterfly in float32 -- stages h = 1, 2, 4, 8,
-// each replacing the pair (z_i, z_{i+h}), i & h == 0, by (z_i + z_{i+h},
-// z_i - z_{i+h}) -- and each result rounded to bfloat16.
-NVFP4_HD void RandomHadamard16(const float x[kBlock], float y[kBlock]) {
-  float z[kBlock];
+// z = x16 * R in float32: z_j = x_j * s_j * 0.25 (exact), then z * H16 by
+// the radix-2 fast Walsh-Hadamard butterfly -- stages h = 1, 2, 4, 8, each
+// replacing the pair (z_i, z_{i+h}), i & h == 0, by (z_i + z_{i+h},
+// z_i - z_{i+h}).
+NVFP4_HD void HadamardButterfly16(const float x[kBlock], float z[kBlock]) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
@@ -258,6 +265,12 @@ NVFP4_HD void RandomHadamard16(const float x[kBlock], float y[kBlock]) {
       }
     }
   }
+}
+
+// y = bf16(x16 * R): the butterfly, each result rounded to bfloat16.
+NVFP4_HD void RandomHadamard16(const float x[kBlock], float y[kBlock]) {
+  float z[kBlock];
+  HadamardButterfly16(x, z);
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
@@ -309,7 +322,7 @@ struct Threefry2x32Output {
 };
 
 NVFP4_HD Threefry2x32Output Threefry2x32(uint32_t key0, uint32_t key1,
-                                          uint32_t c0, uint32_t c1) {
+                                         uint32_t c0, uint32_t c1) {
   const uint32_t ks[3] = {key0, key1, key0 ^ key1 ^ 0x1BD11BDAu};
   constexpr int kRotations[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
   uint32_t x0 = c0 + ks[0];
@@ -336,10 +349,9 @@ NVFP4_HD Threefry2x32Output Threefry2x32(uint32_t key0, uint32_t key1,
 // word0 first.
 NVFP4_HD uint64_t RandomBytes8(uint32_t key0, uint32_t key1, uint32_t stream,
                                uint64_t w) {
-  const Threefry2x32Output out =
-      Threefry2x32(key0, key1,
-                   (stream << 24) | static_cast<uint32_t>((w >> 32) & 0xFFFFFFu),
-                   static_cast<uint32_t>(w));
+  const Threefry2x32Output out = Threefry2x32(
+      key0, key1, (stream << 24) | static_cast<uint32_t>((w >> 32) & 0xFFFFFFu),
+      static_cast<uint32_t>(w));
   return static_cast<uint64_t>(out.word0) |
          (static_cast<uint64_t>(out.word1) << 32);
 }
@@ -360,9 +372,8 @@ NVFP4_HD uint64_t EncodeBlock16(const float v[kBlock], float encode_multiplier,
     uint32_t code;
     if (stochastic) {
       const uint64_t bytes = i < 8 ? random_lo : random_hi;
-      code = E2M1RoundStochastic(scaled,
-                                 static_cast<uint32_t>(bytes >> (8 * (i & 7))) &
-                                     0xFFu);
+      code = E2M1RoundStochastic(
+          scaled, static_cast<uint32_t>(bytes >> (8 * (i & 7))) & 0xFFu);
     } else {
       code = E2M1RoundNearest(scaled);
     }

@@ -113,6 +113,8 @@ def _edge_case(name):
         x[2, 2] = np.nan
         x[4, 40] = -np.nan
         x[6, 16:32] = np.nan
+        x[10, 5] = np.uint32(0x7F800001).view(np.float32)  # signaling NaN
+        x[10, 6] = 3.0
     elif name == "negative_zero":
         x[7, :] = -0.0
         x[8, ::2] = -1e-30
