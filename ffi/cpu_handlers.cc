@@ -260,6 +260,80 @@ ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
   return ffi::Error::Success();
 }
 
+// out[b, m, n] = alpha * sum_k e2m1(a[b, m, k]) s_a * e2m1(b[b', n, k]) s_b,
+// alpha = (amax_a / 2688) * (amax_b / 2688). Every product is exact in
+// float32 (2 + 4 significant bits per factor); the sum runs over k = 0, 1,
+// ..., K - 1 in float32. b has batch 1 (shared) or the batch of a.
+ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
+                      ffi::Buffer<ffi::F32> a_amax,
+                      ffi::Buffer<ffi::U8> b_codes, ffi::AnyBuffer b_scales,
+                      ffi::Buffer<ffi::F32> b_amax,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  const auto ad = a_codes.dimensions();
+  const auto bd = b_codes.dimensions();
+  const auto od = out->dimensions();
+  if (ad.size() != 3 || bd.size() != 3 || od.size() != 3) {
+    return InvalidArgument("matmul operands must be rank 3");
+  }
+  const int64_t batch = ad[0], m = ad[1], k = 2 * ad[2];
+  const int64_t b_batch = bd[0], n = bd[1];
+  if (2 * bd[2] != k || k % kBlock != 0 || (b_batch != 1 && b_batch != batch) ||
+      od[0] != batch || od[1] != m || od[2] != n ||
+      static_cast<int64_t>(a_scales.element_count()) !=
+          batch * m * k / kBlock ||
+      static_cast<int64_t>(b_scales.element_count()) !=
+          b_batch * n * k / kBlock ||
+      a_scales.element_type() != ffi::DataType::F8E4M3FN ||
+      b_scales.element_type() != ffi::DataType::F8E4M3FN ||
+      a_amax.element_count() != 1 || b_amax.element_count() != 1) {
+    return InvalidArgument("matmul operands have inconsistent shapes");
+  }
+  const ffi::DataType out_type = out->element_type();
+  if (out_type != ffi::DataType::F32 && out_type != ffi::DataType::BF16) {
+    return InvalidArgument("matmul output must be float32 or bfloat16");
+  }
+  const float alpha = (a_amax.typed_data()[0] / kScaleRange) *
+                      (b_amax.typed_data()[0] / kScaleRange);
+  const uint8_t* as = static_cast<const uint8_t*>(a_scales.untyped_data());
+  const uint8_t* bs = static_cast<const uint8_t*>(b_scales.untyped_data());
+  // Decoded (unscaled-by-amax) values e2m1 * s_b of one row.
+  auto decode_row = [](const uint8_t* codes, const uint8_t* scales, int64_t len,
+                       float* row) {
+    for (int64_t l = 0; l < len; ++l) {
+      const uint32_t code = (codes[l / 2] >> (4 * (l & 1))) & 0xF;
+      row[l] = E2M1Decode(code) * E4M3Decode(scales[l / kBlock]);
+    }
+  };
+  std::vector<float> b_rows(static_cast<size_t>(n * k));
+  std::vector<float> a_row(static_cast<size_t>(k));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t bb = b_batch == 1 ? 0 : b;
+    if (b == 0 || b_batch != 1) {
+      for (int64_t j = 0; j < n; ++j) {
+        decode_row(b_codes.typed_data() + (bb * n + j) * (k / 2),
+                   bs + (bb * n + j) * (k / kBlock), k, &b_rows[j * k]);
+      }
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      decode_row(a_codes.typed_data() + (b * m + i) * (k / 2),
+                 as + (b * m + i) * (k / kBlock), k, a_row.data());
+      for (int64_t j = 0; j < n; ++j) {
+        float acc = 0.0f;
+        for (int64_t l = 0; l < k; ++l) acc += a_row[l] * b_rows[j * k + l];
+        const float value = acc * alpha;
+        const int64_t flat = (b * m + i) * n + j;
+        if (out_type == ffi::DataType::F32) {
+          static_cast<float*>(out->untyped_data())[flat] = value;
+        } else {
+          static_cast<uint16_t*>(out->untyped_data())[flat] =
+              FloatToBfloat16Bits(value);
+        }
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_nvfp4
 
@@ -323,3 +397,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4DequantizeCpu, jax_nvfp4::DequantizeImpl,
                                   .Arg<ffi::AnyBuffer>()         // e4m3 scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]
                                   .Ret<ffi::AnyBuffer>());       // [b, r, l]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulCpu, jax_nvfp4::MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // a codes
+                                  .Arg<ffi::AnyBuffer>()         // a scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a amax [1]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // b codes
+                                  .Arg<ffi::AnyBuffer>()         // b scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b amax [1]
+                                  .Ret<ffi::AnyBuffer>());       // [b, m, n]

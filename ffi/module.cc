@@ -10,6 +10,7 @@ XLA_FFI_Error* JaxNvfp4QuantizeColsCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4QuantizeRowsColsCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4AmaxCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4DequantizeCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxNvfp4MatmulCpu(XLA_FFI_CallFrame*);
 #ifdef JAX_NVFP4_WITH_CUDA
 XLA_FFI_Error* JaxNvfp4QuantizeRowsCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4QuantizeColsCuda(XLA_FFI_CallFrame*);
@@ -37,6 +38,7 @@ NB_MODULE(_ffi, m) {
     d["jax_nvfp4_quantize_rows_cols"] = Capsule(JaxNvfp4QuantizeRowsColsCpu);
     d["jax_nvfp4_amax"] = Capsule(JaxNvfp4AmaxCpu);
     d["jax_nvfp4_dequantize"] = Capsule(JaxNvfp4DequantizeCpu);
+    d["jax_nvfp4_matmul"] = Capsule(JaxNvfp4MatmulCpu);
     return d;
   });
   m.def("cuda_registrations", []() {

@@ -17,6 +17,7 @@ from jax_nvfp4.format import (
     SCALE_RANGE,
     NVFP4Tensor,
 )
+from jax_nvfp4.gemm import matmul
 from jax_nvfp4.quantize import (
     dequantize,
     global_amax,
@@ -36,6 +37,7 @@ __all__ = [
     "available_platforms",
     "dequantize",
     "global_amax",
+    "matmul",
     "quantize",
     "quantize_rowwise_and_columnwise",
     "reference",

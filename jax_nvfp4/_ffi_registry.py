@@ -14,7 +14,7 @@ import os
 
 import jax
 
-__all__ = ["TARGETS", "available_platforms", "handler_source"]
+__all__ = ["TARGETS", "available_platforms", "handler_source", "registered_targets"]
 
 # FFI target name -> C symbol stem (the CPU symbol is stem + "Cpu").
 TARGETS = {
@@ -23,6 +23,7 @@ TARGETS = {
     "jax_nvfp4_quantize_rows_cols": "JaxNvfp4QuantizeRowsCols",
     "jax_nvfp4_amax": "JaxNvfp4Amax",
     "jax_nvfp4_dequantize": "JaxNvfp4Dequantize",
+    "jax_nvfp4_matmul": "JaxNvfp4Matmul",
 }
 
 _source = "none"
@@ -49,16 +50,21 @@ def _load() -> dict[str, dict[str, object]]:
 
 
 @functools.cache
-def available_platforms() -> frozenset[str]:
-    """Registers every handler once; returns the lowering platforms served."""
-    served = set()
+def registered_targets() -> dict[str, frozenset[str]]:
+    """Registers every handler once: {lowering platform: target names}."""
+    served = {}
     for platform, capsules in _load().items():
         if not capsules:
             continue
         for name, capsule in capsules.items():
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
-        served.add("cuda" if platform == "CUDA" else platform)
-    return frozenset(served)
+        served["cuda" if platform == "CUDA" else platform] = frozenset(capsules)
+    return served
+
+
+def available_platforms() -> frozenset[str]:
+    """The lowering platforms ("cpu", "cuda") with compiled handlers."""
+    return frozenset(registered_targets())
 
 
 def handler_source() -> str:

@@ -22,6 +22,7 @@ from jax_nvfp4 import _ffi_registry, reference
 
 __all__ = [
     "amax_p",
+    "matmul_p",
     "dequantize_p",
     "quantize_cols_p",
     "quantize_rows_cols_p",
@@ -161,7 +162,17 @@ def _ffi_rule(target, drop=()):
     return lowering
 
 
-def _define(name, target, abstract, reference_fn, batch_rule, *, multiple, drop=()):
+def _define(
+    name,
+    target,
+    abstract,
+    reference_fn,
+    batch_rule,
+    *,
+    multiple,
+    drop=(),
+    lowerings=None,
+):
     prim = Primitive(name)
     prim.multiple_results = multiple
     prim.def_abstract_eval(abstract)
@@ -173,8 +184,14 @@ def _define(name, target, abstract, reference_fn, batch_rule, *, multiple, drop=
     mlir.register_lowering(
         prim, mlir.lower_fun(reference_fn, multiple_results=multiple)
     )
-    for platform in _ffi_registry.available_platforms():
-        mlir.register_lowering(prim, _ffi_rule(target, drop), platform=platform)
+    # Platform-specific pure-JAX paths (e.g. the Hopper GEMM), then handlers.
+    for platform, fn in (lowerings or {}).items():
+        mlir.register_lowering(
+            prim, mlir.lower_fun(fn, multiple_results=multiple), platform=platform
+        )
+    for platform, targets in _ffi_registry.registered_targets().items():
+        if target in targets:
+            mlir.register_lowering(prim, _ffi_rule(target, drop), platform=platform)
     return prim
 
 
@@ -219,6 +236,51 @@ dequantize_p = _define(
     multiple=False,
     drop=("dtype",),
 )
+
+
+def _matmul_abstract(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
+    del a_scales, a_amax, b_scales, b_amax
+    return jax.core.ShapedArray((*a_codes.shape[:2], b_codes.shape[1]), dtype)
+
+
+def _matmul_batch(args, dims, *, dtype):
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = args
+    size = _batch_size(args, dims)
+    if any(d is not None for d in dims[2:]) or dims[0] != dims[1]:
+        # Batched b or amax: one call per example.
+        out = jax.lax.map(
+            lambda ops: matmul_p.bind(*ops, dtype=dtype),
+            tuple(_to_front(a, d, size) for a, d in zip(args, dims, strict=True)),
+        )
+        return out, 0
+    out = matmul_p.bind(
+        _fold(a_codes, dims[0], size),
+        _fold(a_scales, dims[1], size),
+        a_amax,
+        b_codes,
+        b_scales,
+        b_amax,
+        dtype=dtype,
+    )
+    return out.reshape(size, -1, *out.shape[1:]), 0
+
+
+matmul_p = _define(
+    "nvfp4_matmul",
+    "jax_nvfp4_matmul",
+    _matmul_abstract,
+    reference.matmul,
+    _matmul_batch,
+    multiple=False,
+    drop=("dtype",),
+    lowerings={"cuda": reference.matmul_dequantize_bf16},
+)
+
+
+def matmul(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
+    return matmul_p.bind(
+        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=np.dtype(dtype)
+    )
 
 
 def quantize_rows(x, amax, key, **params):

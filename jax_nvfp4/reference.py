@@ -22,6 +22,8 @@ __all__ = [
     "amax",
     "dequantize",
     "global_scale",
+    "matmul",
+    "matmul_dequantize_bf16",
     "quantize_cols",
     "quantize_rows",
     "quantize_rows_cols",
@@ -296,3 +298,49 @@ def dequantize(codes, scales, amax, *, dtype):
     blocks = values.reshape(batch, rows, half * 2 // 16, 16)
     out = (blocks * multiplier[..., None]).reshape(batch, rows, half * 2)
     return out.astype(dtype)
+
+
+def _decode_unscaled(codes, scales):
+    """e2m1(code) * s_b as float32 [b, r, l] (exact; the amax not applied)."""
+    batch, rows, half = codes.shape
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
+        batch, rows, half * 2
+    )
+    values = jnp.asarray(e2m1_decode_table())[nibbles]
+    scale = e4m3_decode(lax.bitcast_convert_type(scales, jnp.uint8))
+    blocks = values.reshape(batch, rows, half * 2 // 16, 16) * scale[..., None]
+    return blocks.reshape(batch, rows, half * 2)
+
+
+def _gemm_alpha(a_amax, b_amax):
+    """alpha = (amax_a / 2688) * (amax_b / 2688), float32."""
+    r = _F32(SCALE_RANGE)
+    return (a_amax.reshape(()) / r) * (b_amax.reshape(()) / r)
+
+
+def matmul(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
+    """out [b, m, n] = alpha * sum_k a[b, m, k] b[b', n, k] (float32 products)."""
+    a = _decode_unscaled(a_codes, a_scales)
+    b = _decode_unscaled(b_codes, b_scales)
+    b = jnp.broadcast_to(b, (a.shape[0], *b.shape[1:]))
+    acc = jnp.einsum("bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST)
+    return (acc * _gemm_alpha(a_amax, b_amax)).astype(dtype)
+
+
+def matmul_dequantize_bf16(
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype
+):
+    """The GPU path without FP4 tensor cores (Hopper): e2m1 * s_b is exact in
+    bfloat16, so a bf16 GEMM with float32 accumulation and alpha applied after
+    computes the format's exact products."""
+    a = _decode_unscaled(a_codes, a_scales).astype(jnp.bfloat16)
+    b = _decode_unscaled(b_codes, b_scales).astype(jnp.bfloat16)
+    if b.shape[0] == 1:
+        acc = lax.dot_general(
+            a, b[0], (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+    else:
+        acc = lax.dot_general(
+            a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
+        )
+    return (acc * _gemm_alpha(a_amax, b_amax)).astype(dtype)
