@@ -24,10 +24,17 @@ from jax_nvfp4.quantize import (
     quantize,
     quantize_rowwise_and_columnwise,
 )
+from jax_nvfp4.recipe import BF16, NVFP4, NVFP4_NO_RHT, NVFP4_NO_SR, Recipe, dot
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BF16",
+    "NVFP4",
+    "NVFP4_NO_RHT",
+    "NVFP4_NO_SR",
+    "Recipe",
+    "dot",
     "BLOCK_SIZE",
     "E2M1_MAX",
     "E2M1_VALUES",

@@ -1,0 +1,225 @@
+"""The NVFP4 linear-layer training recipe: ``dot(x, w)`` with a custom VJP.
+
+y = x . w with x [..., K] and w [K, N]; leading axes of x are folded into one
+token axis T. The three GEMMs (DESIGN.md, "The linear-layer recipe"):
+
+  FPROP  y  = x  . w    x: 1x16 nearest along K; w: 16x16 along K
+  DGRAD  dx = dy . w^T  dy: 1x16 stochastic along N; w: the same 16x16 values
+  WGRAD  dw = x^T . dy  x and dy along T, RHT on both, dy stochastic
+
+One fused pass quantizes x for FPROP and (column-wise, transformed) for
+WGRAD, and one quantizes w for FPROP and DGRAD; the backward pass keeps the
+FP4 tensors as residuals, never bf16 copies. T is zero-padded to a multiple
+of 16 for the column-wise quantizations (zeros change neither the amax nor
+x^T dy). K and N must be multiples of 16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_nvfp4.gemm import matmul
+from jax_nvfp4.quantize import (
+    key_words,
+    quantize,
+    quantize_rowwise_and_columnwise,
+)
+
+__all__ = ["BF16", "NVFP4", "NVFP4_NO_RHT", "NVFP4_NO_SR", "Recipe", "dot"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Which GEMMs run in NVFP4 and how (the switches of the reference recipe).
+
+    Attributes:
+      fprop, dgrad, wgrad: run that GEMM in NVFP4 (False: in the input dtype).
+      rht: Random Hadamard Transform on WGRAD's inputs (te_nvfp4); False is
+        te_nvfp4_no_rht.
+      stochastic_rounding: stochastic rounding of dY (needs a key per call).
+      weight_2d: 16x16 block scaling of w (False: 1x16 blocks along each GEMM's
+        contraction axis, so FPROP's and DGRAD's w differ).
+      implementation: "ffi" (custom calls) or "reference" (pure JAX).
+    """
+
+    fprop: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+    rht: bool = True
+    stochastic_rounding: bool = True
+    weight_2d: bool = True
+    implementation: str = "ffi"
+
+    @property
+    def needs_key(self) -> bool:
+        return self.stochastic_rounding and (self.dgrad or self.wgrad)
+
+
+NVFP4 = Recipe()
+NVFP4_NO_RHT = Recipe(rht=False)
+NVFP4_NO_SR = Recipe(stochastic_rounding=False)
+BF16 = Recipe(fprop=False, dgrad=False, wgrad=False)
+
+
+def _pad_tokens(a: jax.Array, tokens: int) -> jax.Array:
+    padded = -(-tokens // 16) * 16
+    return a if padded == tokens else jnp.pad(a, ((0, padded - tokens), (0, 0)))
+
+
+def _quantize_x(x2, recipe: Recipe):
+    """x [T, K]: (row-wise along K for FPROP, column-wise along T for WGRAD)."""
+    impl = recipe.implementation
+    if recipe.fprop and recipe.wgrad:
+        return quantize_rowwise_and_columnwise(
+            _pad_tokens(x2, x2.shape[0]), col_rht=recipe.rht, implementation=impl
+        )
+    rows = quantize(x2, -1, implementation=impl) if recipe.fprop else None
+    cols = (
+        quantize(_pad_tokens(x2, x2.shape[0]), 0, rht=recipe.rht, implementation=impl)
+        if recipe.wgrad
+        else None
+    )
+    return rows, cols
+
+
+def _quantize_w(w, recipe: Recipe):
+    """w [K, N]: (along K for FPROP, along N for DGRAD), same values if 2D."""
+    block = "16x16" if recipe.weight_2d else "1x16"
+    impl = recipe.implementation
+    if recipe.fprop and recipe.dgrad:
+        along_n, along_k = quantize_rowwise_and_columnwise(
+            w, row_block=block, col_block=block, implementation=impl
+        )
+        return along_k, along_n
+    along_k = quantize(w, 0, block=block, implementation=impl) if recipe.fprop else None
+    along_n = quantize(w, 1, block=block, implementation=impl) if recipe.dgrad else None
+    return along_k, along_n
+
+
+def _quantize_dy(dy2, words, recipe: Recipe):
+    """dy [T, N]: (along N for DGRAD, along T with RHT for WGRAD)."""
+    rounding = "stochastic" if recipe.stochastic_rounding else "nearest"
+    impl = recipe.implementation
+    key = words[0] if recipe.stochastic_rounding else None
+    if recipe.dgrad and recipe.wgrad:
+        return quantize_rowwise_and_columnwise(
+            _pad_tokens(dy2, dy2.shape[0]),
+            row_rounding=rounding,
+            col_rounding=rounding,
+            col_rht=recipe.rht,
+            key=key,
+            implementation=impl,
+        )
+    rows = (
+        quantize(dy2, -1, rounding=rounding, key=key, implementation=impl)
+        if recipe.dgrad
+        else None
+    )
+    cols = (
+        quantize(
+            _pad_tokens(dy2, dy2.shape[0]),
+            0,
+            rht=recipe.rht,
+            rounding=rounding,
+            key=key,
+            stream=1,
+            implementation=impl,
+        )
+        if recipe.wgrad
+        else None
+    )
+    return rows, cols
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dot2(x2, w, words, recipe):
+    out, _ = _dot2_fwd(x2, w, words, recipe)
+    return out
+
+
+def _dot2_fwd(x2, w, words, recipe):
+    tokens = x2.shape[0]
+    x_rows, x_cols = _quantize_x(x2, recipe)
+    w_along_k, w_along_n = _quantize_w(w, recipe)
+    if recipe.fprop:
+        out = matmul(x_rows, w_along_k, out_dtype=jnp.float32)[:tokens]
+        out = out.astype(x2.dtype)
+    else:
+        out = jnp.dot(x2, w)
+    residuals = (
+        x_cols if recipe.wgrad else x2,
+        w_along_n if recipe.dgrad else w,
+        words,
+    )
+    return out, residuals
+
+
+def _dot2_bwd(recipe, residuals, dy):
+    x_saved, w_saved, words = residuals
+    tokens = dy.shape[0]
+    dy_rows, dy_cols = _quantize_dy(dy, words, recipe)
+    if recipe.dgrad:
+        dx = matmul(dy_rows, w_saved, out_dtype=jnp.float32)[:tokens]
+        dx = dx.astype(dy.dtype)
+    else:
+        dx = jnp.dot(dy, w_saved.T)
+    if recipe.wgrad:
+        dw = matmul(x_saved, dy_cols, out_dtype=jnp.float32).astype(dy.dtype)
+    else:
+        dw = jnp.dot(x_saved.T, dy)
+    return dx, dw, None
+
+
+_dot2.defvjp(_dot2_fwd, _dot2_bwd)
+
+
+def dot(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    key: jax.Array | None = None,
+    recipe: Recipe = NVFP4,
+) -> jax.Array:
+    """y = x . w with the NVFP4 training recipe in its forward and backward pass.
+
+    Args:
+      x: [..., K] activations (bfloat16, float16 or float32).
+      w: [K, N] weight, the same dtype as x (cast master weights first).
+      key: PRNG key for stochastic rounding of dY in the backward pass; pass a
+        new key each step (required when ``recipe.stochastic_rounding``).
+      recipe: a ``Recipe``; presets NVFP4, NVFP4_NO_RHT, NVFP4_NO_SR, BF16.
+
+    Returns:
+      [..., N] in x's dtype; gradients flow to x and w (float32 accumulation).
+    """
+    if x.ndim < 1 or w.ndim != 2:
+        raise ValueError(
+            f"dot takes x [..., K] and w [K, N]; got shapes {x.shape} and {w.shape}"
+        )
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"x has K={x.shape[-1]} features but w has {w.shape[0]} rows")
+    if x.dtype != w.dtype:
+        raise TypeError(
+            f"x is {x.dtype} and w is {w.dtype}; cast both to one dtype "
+            "(e.g. w.astype(x.dtype))"
+        )
+    k, n = w.shape
+    if (recipe.fprop or recipe.dgrad or recipe.wgrad) and (k % 16 or n % 16):
+        raise ValueError(
+            f"w is [{k}, {n}]; NVFP4 GEMMs need K and N multiples of 16 — pad the "
+            "layer or keep it in bf16 (Recipe(fprop=False, dgrad=False, "
+            "wgrad=False))"
+        )
+    if recipe.needs_key and key is None:
+        raise ValueError(
+            "the recipe uses stochastic rounding in the backward pass: pass "
+            "key=jax.random.key(...) (a new key each step), or use NVFP4_NO_SR"
+        )
+    words = key_words(key, recipe.needs_key, 0)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    return _dot2(x2, w, words, recipe).reshape(*x.shape[:-1], n)
