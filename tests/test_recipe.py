@@ -136,3 +136,19 @@ def test_mlp_trains_close_to_bf16():
     # Measured (2026-11-29, CPU): weights 2.8% worse, FP4 forward 6.3% worse.
     assert fp4_weights <= ref_weights * 1.04, (fp4_weights, ref_weights)
     assert fp4 <= ref * 1.10, (fp4, ref)
+
+
+def _residual_bytes(recipe, x, w, key):
+    _, vjp_fn = jax.vjp(lambda x, w: nv.dot(x, w, key=key, recipe=recipe), x, w)
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(vjp_fn))
+
+
+def test_residuals_are_fp4():
+    """Bytes kept for the backward pass: <= 0.3x the bf16 recipe's."""
+    x = jnp.ones((256, 512), jnp.bfloat16)
+    w = jnp.ones((512, 1024), jnp.bfloat16)
+    key = jax.random.key(0)
+    fp4 = _residual_bytes(nv.NVFP4, x, w, key)
+    bf16 = _residual_bytes(nv.BF16, x, w, key)
+    assert bf16 >= (x.nbytes + w.nbytes)
+    assert fp4 <= 0.3 * bf16, (fp4, bf16)  # 0.5625 / 2 = 0.28 (+ two amaxes)
