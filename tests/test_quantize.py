@@ -77,12 +77,13 @@ def test_2d_tiles_same_values_either_axis():
     assert not np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize(
     "row_rht,col_rht", [(False, True), (False, False), (True, True)]
 )
 @pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
-def test_fused_rowwise_columnwise(row_rht, col_rht, col_rounding):
-    x = outlier_data(5, (2, 64, 48), jnp.bfloat16)
+def test_fused_rowwise_columnwise(dtype, row_rht, col_rht, col_rounding):
+    x = outlier_data(5, (2, 64, 48), dtype)
     key = jax.random.key(11)
     kwargs = dict(
         row_rht=row_rht,
