@@ -24,7 +24,15 @@ from jax_nvfp4.quantize import (
     quantize,
     quantize_rowwise_and_columnwise,
 )
-from jax_nvfp4.recipe import BF16, NVFP4, NVFP4_NO_RHT, NVFP4_NO_SR, Recipe, dot
+from jax_nvfp4.recipe import (
+    BF16,
+    NVFP4,
+    NVFP4_NO_RHT,
+    NVFP4_NO_SR,
+    Recipe,
+    dot,
+    dot_general,
+)
 
 __version__ = "0.1.0"
 
@@ -35,6 +43,7 @@ __all__ = [
     "NVFP4_NO_SR",
     "Recipe",
     "dot",
+    "dot_general",
     "BLOCK_SIZE",
     "E2M1_MAX",
     "E2M1_VALUES",

@@ -30,7 +30,15 @@ from jax_nvfp4.quantize import (
     quantize_rowwise_and_columnwise,
 )
 
-__all__ = ["BF16", "NVFP4", "NVFP4_NO_RHT", "NVFP4_NO_SR", "Recipe", "dot"]
+__all__ = [
+    "BF16",
+    "NVFP4",
+    "NVFP4_NO_RHT",
+    "NVFP4_NO_SR",
+    "Recipe",
+    "dot",
+    "dot_general",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,21 +144,25 @@ def _quantize_dy(dy2, words, recipe: Recipe):
     return rows, cols
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dot2(x2, w, words, recipe):
-    out, _ = _dot2_fwd(x2, w, words, recipe)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dot2(x2, w, words, recipe, dtypes):
+    out, _ = _dot2_fwd(x2, w, words, recipe, dtypes)
     return out
 
 
-def _dot2_fwd(x2, w, words, recipe):
+def _dot2_fwd(x2, w, words, recipe, dtypes):
+    """dtypes: (input dtype, output dtype), static."""
+    _, out_dtype = dtypes
     tokens = x2.shape[0]
     x_rows, x_cols = _quantize_x(x2, recipe)
     w_along_k, w_along_n = _quantize_w(w, recipe)
     if recipe.fprop:
         out = matmul(x_rows, w_along_k, out_dtype=jnp.float32)[:tokens]
-        out = out.astype(x2.dtype)
-    else:
+        out = out.astype(out_dtype)
+    elif out_dtype == x2.dtype:
         out = jnp.dot(x2, w)
+    else:
+        out = jnp.dot(x2, w, preferred_element_type=out_dtype)
     residuals = (
         x_cols if recipe.wgrad else x2,
         w_along_n if recipe.dgrad else w,
@@ -159,20 +171,20 @@ def _dot2_fwd(x2, w, words, recipe):
     return out, residuals
 
 
-def _dot2_bwd(recipe, residuals, dy):
+def _dot2_bwd(recipe, dtypes, residuals, dy):
+    in_dtype, _ = dtypes
     x_saved, w_saved, words = residuals
     tokens = dy.shape[0]
     dy_rows, dy_cols = _quantize_dy(dy, words, recipe)
     if recipe.dgrad:
         dx = matmul(dy_rows, w_saved, out_dtype=jnp.float32)[:tokens]
-        dx = dx.astype(dy.dtype)
     else:
-        dx = jnp.dot(dy, w_saved.T)
+        dx = jnp.dot(dy.astype(w_saved.dtype), w_saved.T)
     if recipe.wgrad:
-        dw = matmul(x_saved, dy_cols, out_dtype=jnp.float32).astype(dy.dtype)
+        dw = matmul(x_saved, dy_cols, out_dtype=jnp.float32)
     else:
-        dw = jnp.dot(x_saved.T, dy)
-    return dx, dw, None
+        dw = jnp.dot(x_saved.T, dy.astype(x_saved.dtype))
+    return dx.astype(in_dtype), dw.astype(in_dtype), None
 
 
 _dot2.defvjp(_dot2_fwd, _dot2_bwd)
@@ -184,6 +196,7 @@ def dot(
     *,
     key: jax.Array | None = None,
     recipe: Recipe = NVFP4,
+    preferred_element_type=None,
 ) -> jax.Array:
     """y = x . w with the NVFP4 training recipe in its forward and backward pass.
 
@@ -194,8 +207,10 @@ def dot(
         new key each step (required when ``recipe.stochastic_rounding``).
       recipe: a ``Recipe``; presets NVFP4, NVFP4_NO_RHT, NVFP4_NO_SR, BF16.
 
+      preferred_element_type: output dtype (default: x's dtype).
+
     Returns:
-      [..., N] in x's dtype; gradients flow to x and w (float32 accumulation).
+      [..., N]; gradients flow to x and w (float32 accumulation).
     """
     if x.ndim < 1 or w.ndim != 2:
         raise ValueError(
@@ -222,4 +237,50 @@ def dot(
         )
     words = key_words(key, recipe.needs_key, 0)
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
-    return _dot2(x2, w, words, recipe).reshape(*x.shape[:-1], n)
+    dtypes = (jnp.dtype(x.dtype), jnp.dtype(preferred_element_type or x.dtype))
+    return _dot2(x2, w, words, recipe, dtypes).reshape(*x.shape[:-1], n)
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    recipe: Recipe = NVFP4,
+    key: jax.Array | None = None,
+    out_sharding=None,
+    **kwargs,
+) -> jax.Array:
+    """A drop-in for ``lax.dot_general`` in dense layers (Flax's ``dot_general=``).
+
+    Supports the dense-layer form: lhs [..., K] contracted on its last axis with
+    rhs [K, N] on axis 0, no batch dimensions; others raise. ``precision`` is
+    accepted and ignored (the GEMMs are NVFP4); ``preferred_element_type`` sets
+    the output dtype; ``out_sharding`` is applied as a sharding constraint.
+    Bind ``recipe`` and ``key`` with functools.partial.
+    """
+    del precision
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if (
+        tuple(lhs_batch)
+        or tuple(rhs_batch)
+        or tuple(lhs_contract) != (lhs.ndim - 1,)
+        or tuple(rhs_contract) != (0,)
+        or rhs.ndim != 2
+    ):
+        raise NotImplementedError(
+            "jax_nvfp4.dot_general supports the dense-layer form: lhs [..., K] "
+            "contracted on its last axis with rhs [K, N] on axis 0, no batch "
+            f"dimensions; got dimension_numbers={dimension_numbers} for shapes "
+            f"{lhs.shape} and {rhs.shape}"
+        )
+    out = dot(
+        lhs, rhs, key=key, recipe=recipe, preferred_element_type=preferred_element_type
+    )
+    if out_sharding is not None:
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out

@@ -156,3 +156,23 @@ def test_residuals_are_fp4():
     bf16 = _residual_bytes(nv.BF16, x, w, key)
     assert bf16 >= (x.nbytes + w.nbytes)
     assert fp4 <= 0.3 * bf16, (fp4, bf16)  # 0.5625 / 2 = 0.28 (+ two amaxes)
+
+
+def test_dot_general_drop_in():
+    x = jax.random.normal(jax.random.key(0), (2, 16, 32), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (32, 16), jnp.bfloat16)
+    dn = (((2,), (0,)), ((), ()))
+    dg = functools.partial(nv.dot_general, recipe=nv.NVFP4_NO_SR)
+    y = dg(x, w, dn, precision=None, preferred_element_type=jnp.float32)
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        y.astype(jnp.bfloat16), nv.dot(x, w, recipe=nv.NVFP4_NO_SR)
+    )
+    # The bf16 recipe through dot_general equals lax.dot_general.
+    np.testing.assert_array_equal(
+        nv.dot_general(x, w, dn, recipe=nv.BF16), jax.lax.dot_general(x, w, dn)
+    )
+    grads = jax.grad(lambda w: jnp.sum(dg(x, w, dn).astype(jnp.float32)))(w)
+    assert grads.dtype == w.dtype and grads.shape == w.shape
+    with pytest.raises(NotImplementedError, match="dense-layer form"):
+        nv.dot_general(x, w.T, (((2,), (1,)), ((), ())))
