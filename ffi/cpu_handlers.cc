@@ -263,7 +263,8 @@ ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
 // out[b, m, n] = alpha * sum_k e2m1(a[b, m, k]) s_a * e2m1(b[b', n, k]) s_b,
 // alpha = (amax_a / 2688) * (amax_b / 2688). Every product is exact in
 // float32 (2 + 4 significant bits per factor); the sum runs over k = 0, 1,
-// ..., K - 1 in float32. b has batch 1 (shared) or the batch of a.
+// ..., K - 1 in float32. b has batch 1 (shared) or the batch of a; each
+// amax has one value per batch item of its operand, or one in all.
 ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
                       ffi::Buffer<ffi::F32> a_amax,
                       ffi::Buffer<ffi::U8> b_codes, ffi::AnyBuffer b_scales,
@@ -285,15 +286,16 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
           b_batch * n * k / kBlock ||
       a_scales.element_type() != ffi::DataType::F8E4M3FN ||
       b_scales.element_type() != ffi::DataType::F8E4M3FN ||
-      a_amax.element_count() != 1 || b_amax.element_count() != 1) {
+      (a_amax.element_count() != 1 &&
+       static_cast<int64_t>(a_amax.element_count()) != batch) ||
+      (b_amax.element_count() != 1 &&
+       static_cast<int64_t>(b_amax.element_count()) != b_batch)) {
     return InvalidArgument("matmul operands have inconsistent shapes");
   }
   const ffi::DataType out_type = out->element_type();
   if (out_type != ffi::DataType::F32 && out_type != ffi::DataType::BF16) {
     return InvalidArgument("matmul output must be float32 or bfloat16");
   }
-  const float alpha = (a_amax.typed_data()[0] / kScaleRange) *
-                      (b_amax.typed_data()[0] / kScaleRange);
   const uint8_t* as = static_cast<const uint8_t*>(a_scales.untyped_data());
   const uint8_t* bs = static_cast<const uint8_t*>(b_scales.untyped_data());
   // Decoded (unscaled-by-amax) values e2m1 * s_b of one row.
@@ -308,6 +310,9 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
   std::vector<float> a_row(static_cast<size_t>(k));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t bb = b_batch == 1 ? 0 : b;
+    const float a_max = a_amax.typed_data()[a_amax.element_count() == 1 ? 0 : b];
+    const float b_max = b_amax.typed_data()[b_amax.element_count() == 1 ? 0 : bb];
+    const float alpha = (a_max / kScaleRange) * (b_max / kScaleRange);
     if (b == 0 || b_batch != 1) {
       for (int64_t j = 0; j < n; ++j) {
         decode_row(b_codes.typed_data() + (bb * n + j) * (k / 2),
@@ -402,8 +407,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulCpu, jax_nvfp4::MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U8>>()   // a codes
                                   .Arg<ffi::AnyBuffer>()         // a scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // a amax [1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // a amax [1|b]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // b codes
                                   .Arg<ffi::AnyBuffer>()         // b scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // b amax [1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b amax [1|b]
                                   .Ret<ffi::AnyBuffer>());       // [b, m, n]

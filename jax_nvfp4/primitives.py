@@ -243,24 +243,37 @@ def _matmul_abstract(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dt
     return jax.core.ShapedArray((*a_codes.shape[:2], b_codes.shape[1]), dtype)
 
 
+def _per_item_amax(amax, d, size, count):
+    """amax with 1 or `count` values per vmapped item -> [size * count]."""
+    amax = _to_front(amax, d, size).reshape(size, -1)
+    if amax.shape[1] == 1:
+        amax = jnp.repeat(amax, count, axis=1)
+    return amax.reshape(-1)
+
+
 def _matmul_batch(args, dims, *, dtype):
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = args
+    """Folds the vmapped axis into the GEMM batch; amaxes become per item."""
     size = _batch_size(args, dims)
-    if any(d is not None for d in dims[2:]) or dims[0] != dims[1]:
-        # Batched b or amax: one call per example.
-        out = jax.lax.map(
-            lambda ops: matmul_p.bind(*ops, dtype=dtype),
-            tuple(_to_front(a, d, size) for a, d in zip(args, dims, strict=True)),
+    (a_codes, a_scales, a_amax, b_codes, b_scales, b_amax) = args
+    per_a = _to_front(a_codes, dims[0], size).shape[1]
+    a_codes, a_scales = _fold(a_codes, dims[0], size), _fold(a_scales, dims[1], size)
+    a_amax = _per_item_amax(a_amax, dims[2], size, per_a)
+    if all(d is None for d in dims[3:]) and b_codes.shape[0] == 1:
+        pass  # one b shared by every item
+    else:
+        b_front = _to_front(b_codes, dims[3], size)
+        per_b = b_front.shape[1]
+        b_codes, b_scales = (
+            _fold(b_codes, dims[3], size),
+            _fold(b_scales, dims[4], size),
         )
-        return out, 0
+        b_amax = _per_item_amax(b_amax, dims[5], size, per_b)
+        if per_b != per_a:  # one b matrix per item, shared by a's batch
+            b_codes = jnp.repeat(b_codes, per_a, axis=0)
+            b_scales = jnp.repeat(b_scales, per_a, axis=0)
+            b_amax = jnp.repeat(b_amax, per_a)
     out = matmul_p.bind(
-        _fold(a_codes, dims[0], size),
-        _fold(a_scales, dims[1], size),
-        a_amax,
-        b_codes,
-        b_scales,
-        b_amax,
-        dtype=dtype,
+        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype
     )
     return out.reshape(size, -1, *out.shape[1:]), 0
 

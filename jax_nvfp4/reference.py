@@ -313,9 +313,9 @@ def _decode_unscaled(codes, scales):
 
 
 def _gemm_alpha(a_amax, b_amax):
-    """alpha = (amax_a / 2688) * (amax_b / 2688), float32."""
+    """alpha [b or 1, 1, 1] = (amax_a / 2688) * (amax_b / 2688), float32."""
     r = _F32(SCALE_RANGE)
-    return (a_amax.reshape(()) / r) * (b_amax.reshape(()) / r)
+    return ((a_amax / r) * (b_amax / r)).reshape(-1, 1, 1)
 
 
 def matmul(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
@@ -335,11 +335,12 @@ def matmul_dequantize_bf16(
     computes the format's exact products."""
     a = _decode_unscaled(a_codes, a_scales).astype(jnp.bfloat16)
     b = _decode_unscaled(b_codes, b_scales).astype(jnp.bfloat16)
-    if b.shape[0] == 1:
+    if b.shape[0] == 1 and b_amax.size == 1:
         acc = lax.dot_general(
             a, b[0], (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
     else:
+        b = jnp.broadcast_to(b, (a.shape[0], *b.shape[1:]))
         acc = lax.dot_general(
             a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
         )

@@ -106,3 +106,35 @@ def test_matmul_errors():
         nv.matmul(a, nv.quantize(jnp.ones((16, 32)), rht=True))
     with pytest.raises(TypeError, match="NVFP4Tensors"):
         nv.matmul(a, jnp.ones((16, 32)))
+
+
+def test_vmap_folds_into_one_gemm():
+    """vmap of quantize + matmul: one GEMM call with per-example amaxes."""
+    xs = (
+        outlier_data(8, (4, 16, 32), jnp.float32)
+        * jnp.array([1, 10, 100, 1000.0])[:, None, None]
+    )
+    w = outlier_data(9, (32, 16), jnp.float32)
+    wq = nv.quantize(w, 0)
+
+    def f(x):
+        return nv.matmul(nv.quantize(x), wq, out_dtype=jnp.float32)
+
+    batched = jax.jit(jax.vmap(f))(xs)
+    for i in range(4):
+        np.testing.assert_allclose(batched[i], f(xs[i]), rtol=1e-6)
+    jaxpr = str(jax.make_jaxpr(jax.vmap(f))(xs))
+    assert jaxpr.count("nvfp4_matmul") == 1 and "while" not in jaxpr
+    # Both operands mapped (the WGRAD form under vmap).
+    ws = jnp.stack([w, 2 * w, 3 * w, 4 * w])
+    g = jax.vmap(
+        lambda x, w: nv.matmul(
+            nv.quantize(x, 0), nv.quantize(w, 0), out_dtype=jnp.float32
+        )
+    )
+    out = g(xs.transpose(0, 2, 1), ws)  # [4, 32, 16] and [4, 32, 16] over 32
+    for i in range(4):
+        one = nv.matmul(
+            nv.quantize(xs[i].T, 0), nv.quantize(ws[i], 0), out_dtype=jnp.float32
+        )
+        np.testing.assert_allclose(out[i], one, rtol=1e-6)
