@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from jax_nvfp4 import _ffi_registry, reference
 
@@ -146,6 +146,15 @@ def _dequantize_batch(args, dims, *, dtype):
 # --- construction ----------------------------------------------------------
 
 
+def _no_derivative(name, primals, tangents, **params):
+    raise NotImplementedError(
+        f"{name} has no derivative: NVFP4 quantization is piecewise constant. "
+        "jax_nvfp4.dot defines its gradient with a custom VJP; higher-order "
+        "derivatives (grad of grad, jvp) of it are not supported — differentiate "
+        "a bf16 model (recipe=jax_nvfp4.BF16) for those."
+    )
+
+
 @functools.cache
 def _jitted_bind(prim, params):
     return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
@@ -180,6 +189,7 @@ def _define(
         lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args)
     )
     batching.primitive_batchers[prim] = batch_rule
+    ad.primitive_jvps[prim] = functools.partial(_no_derivative, name)
     # The reference is the default lowering; handler platforms override it.
     mlir.register_lowering(
         prim, mlir.lower_fun(reference_fn, multiple_results=multiple)

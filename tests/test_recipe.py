@@ -176,3 +176,16 @@ def test_dot_general_drop_in():
     assert grads.dtype == w.dtype and grads.shape == w.shape
     with pytest.raises(NotImplementedError, match="dense-layer form"):
         nv.dot_general(x, w.T, (((2,), (1,)), ((), ())))
+
+
+def test_higher_order_derivatives_raise_clearly():
+    x = jnp.ones((16, 32))
+    w = jnp.ones((32, 16))
+
+    def f(w):
+        return jnp.sum(nv.dot(x, w, recipe=nv.NVFP4_NO_SR))
+
+    with pytest.raises(NotImplementedError, match="higher-order derivatives"):
+        jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2))(w)
+    with pytest.raises(NotImplementedError, match="no derivative"):
+        jax.jvp(lambda x: nv.quantize(x).codes, (x,), (x,))
