@@ -1,7 +1,12 @@
 // The Python extension: hands the FFI handlers to jax_nvfp4 as capsules,
 // which jax_nvfp4/_ffi_registry.py registers with jax.ffi.register_ffi_target.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
+#include <cstdint>
+#include <vector>
+
+#include "scale_layout.h"
 #include "xla/ffi/api/c_api.h"
 
 extern "C" {
@@ -40,6 +45,18 @@ NB_MODULE(_ffi, m) {
     d["jax_nvfp4_dequantize"] = Capsule(JaxNvfp4DequantizeCpu);
     d["jax_nvfp4_matmul"] = Capsule(JaxNvfp4MatmulCpu);
     return d;
+  });
+  // The Blackwell scale layout's offsets, for tests of the host-side layout
+  // code against jax_nvfp4.blackwell.swizzle_scales.
+  m.def("swizzled_scale_offsets", [](int64_t rows, int64_t cols) {
+    std::vector<int64_t> offsets;
+    offsets.reserve(rows * cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        offsets.push_back(jax_nvfp4::SwizzledScaleOffset(r, c, cols));
+      }
+    }
+    return offsets;
   });
   m.def("cuda_registrations", []() {
     nb::dict d;
