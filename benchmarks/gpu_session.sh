@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One device call: build with CUDA, GPU tests, quantize benchmark,
-# compute-sanitizer memcheck + racecheck (each step time-boxed).
+# One device call (~5 minutes on an H200): build with CUDA, the GPU tests,
+# the quantize and linear benchmarks, compute-sanitizer memcheck + racecheck
+# (each step time-boxed). Results land in $OUT.
 #   bash benchmarks/gpu_session.sh [tests-to-run]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-tests="${1:-tests/test_quantize.py tests/test_stochastic.py tests/test_numerics.py}"
+tests="${1:-tests/test_quantize.py tests/test_stochastic.py tests/test_numerics.py tests/test_gemm.py tests/test_recipe.py}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)
@@ -14,8 +15,9 @@ JAX_NVFP4_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 300 python3 -m pip insta
 echo "build: $(( $(date +%s) - t0 )) s"
 (cd /tmp && python3 -c "import jax_nvfp4 as nv; print('handlers:', sorted(nv.available_platforms()))")
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-timeout 150 pytest -q -x $tests 2>&1 | tee "$OUT/pytest.txt" | tail -8
+timeout 240 pytest -q $tests 2>&1 | tee "$OUT/pytest.txt" | tail -8
 timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
+timeout 120 python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" 2>&1 | tee "$OUT/linear_bench.txt" | tail -10
 for tool in memcheck racecheck; do
   timeout 100 compute-sanitizer --tool $tool python3 tests/sanitizer_smoke.py > "$OUT/sanitizer_$tool.txt" 2>&1
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|smoke' "$OUT/sanitizer_$tool.txt" | tr '\n' ' ')"
