@@ -135,26 +135,16 @@ ffi::Error QuantizeOutput(const ffi::AnyBuffer& x, bool transpose,
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizeRowsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
-                            ffi::Buffer<ffi::U32> key,
-                            ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                            ffi::Result<ffi::AnyBuffer> scales,
-                            int64_t tile_rows, bool stochastic, bool rht,
-                            int64_t stream) {
+// quantize rows (kTranspose = false): along k; cols (true): x[b] transposed,
+// along m.
+template <bool kTranspose>
+ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
+                        ffi::Buffer<ffi::U32> key,
+                        ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                        ffi::Result<ffi::AnyBuffer> scales, int64_t tile_rows,
+                        bool stochastic, bool rht, int64_t stream) {
   const QuantizeOptions options{tile_rows, stochastic, rht, stream};
-  return QuantizeOutput(x, /*transpose=*/false, amax, key, options, codes,
-                        scales);
-}
-
-ffi::Error QuantizeColsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
-                            ffi::Buffer<ffi::U32> key,
-                            ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                            ffi::Result<ffi::AnyBuffer> scales,
-                            int64_t tile_rows, bool stochastic, bool rht,
-                            int64_t stream) {
-  const QuantizeOptions options{tile_rows, stochastic, rht, stream};
-  return QuantizeOutput(x, /*transpose=*/true, amax, key, options, codes,
-                        scales);
+  return QuantizeOutput(x, kTranspose, amax, key, options, codes, scales);
 }
 
 ffi::Error QuantizeRowsColsImpl(ffi::AnyBuffer x,
@@ -310,8 +300,10 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
   std::vector<float> a_row(static_cast<size_t>(k));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t bb = b_batch == 1 ? 0 : b;
-    const float a_max = a_amax.typed_data()[a_amax.element_count() == 1 ? 0 : b];
-    const float b_max = b_amax.typed_data()[b_amax.element_count() == 1 ? 0 : bb];
+    const float a_max =
+        a_amax.typed_data()[a_amax.element_count() == 1 ? 0 : b];
+    const float b_max =
+        b_amax.typed_data()[b_amax.element_count() == 1 ? 0 : bb];
     const float alpha = (a_max / kScaleRange) * (b_max / kScaleRange);
     if (b == 0 || b_batch != 1) {
       for (int64_t j = 0; j < n; ++j) {
@@ -345,7 +337,7 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsCpu,
-                              jax_nvfp4::QuantizeRowsImpl,
+                              jax_nvfp4::QuantizeImpl<false>,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()         // x [b, m, k]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]
@@ -358,7 +350,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsCpu,
                                   .Attr<int64_t>("stream"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxNvfp4QuantizeColsCpu, jax_nvfp4::QuantizeColsImpl,
+    JaxNvfp4QuantizeColsCpu, jax_nvfp4::QuantizeImpl<true>,
     ffi::Ffi::Bind()
         .Arg<ffi::AnyBuffer>()         // x [b, m, k]
         .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]

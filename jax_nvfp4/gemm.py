@@ -16,8 +16,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4 import primitives, reference
 from jax_nvfp4.format import BLOCK_SIZE, NVFP4Tensor
+from jax_nvfp4.quantize import implementation_ops
 
 __all__ = ["matmul"]
 
@@ -76,7 +76,7 @@ def matmul(
     out_dtype = np.dtype(out_dtype)
     if out_dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
         raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-    ops = {"ffi": primitives, "reference": reference}[implementation]
+    ops = implementation_ops(implementation)
     a3 = _stored_rank3(a, "a")
     b3 = _stored_rank3(b, "b")
     if len(sb) == 2 and a3[0].shape[0] != 1:

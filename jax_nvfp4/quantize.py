@@ -37,7 +37,8 @@ Implementation = Literal["ffi", "reference"]
 _MAX_STOCHASTIC_ELEMENTS = 2**35
 
 
-def _ops(implementation: Implementation):
+def implementation_ops(implementation: Implementation):
+    """The module whose functions run the ops: primitives or their twins."""
     if implementation == "ffi":
         return primitives
     if implementation == "reference":
@@ -215,7 +216,7 @@ def quantize(
     stochastic = _is_stochastic(rounding)
     if not 0 <= stream <= 255:
         raise ValueError(f"stream must be in [0, 255], got {stream}")
-    ops = _ops(implementation)
+    ops = implementation_ops(implementation)
     words = key_words(key, stochastic, x.size)
     x3, rht_axis = _rank3(x, axis)
     if amax is None:
@@ -291,7 +292,7 @@ def quantize_rowwise_and_columnwise(
     for stream in (row_stream, col_stream):
         if not 0 <= stream <= 255:
             raise ValueError(f"streams must be in [0, 255], got {stream}")
-    ops = _ops(implementation)
+    ops = implementation_ops(implementation)
     words = key_words(key, row_sr or col_sr, x.size)
     x3 = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
 
@@ -353,7 +354,7 @@ def dequantize(
                 f"dequantize produces float32, bfloat16 or float16, not {dtype}"
             )
         return dequantize(t, jnp.float32, implementation=implementation).astype(dtype)
-    ops = _ops(implementation)
+    ops = implementation_ops(implementation)
     stored = t.stored_shape
     rows = math.prod(stored[:-1])
     values = ops.dequantize(

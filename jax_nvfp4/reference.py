@@ -285,16 +285,20 @@ def amax(x, *, rht_axis):
     return jnp.stack([plain, transformed], axis=1)
 
 
+def _e2m1_values(codes):
+    """Packed codes [..., l/2] -> float32 E2M1 values [..., l] (low nibble first)."""
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1)
+    values = jnp.asarray(e2m1_decode_table())[nibbles]
+    return values.reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+
+
 def dequantize(codes, scales, amax, *, dtype):
     """codes [b, r, l/2], scales [b, r, l/16] -> values [b, r, l] of dtype."""
     batch, rows, half = codes.shape
     a = jnp.repeat(amax.reshape(-1), batch // amax.size)
     scale = lax.bitcast_convert_type(scales, jnp.uint8)
     multiplier = (e4m3_decode(scale) * a[:, None, None]) * INV_SCALE_RANGE
-    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
-        batch, rows, half * 2
-    )
-    values = jnp.asarray(e2m1_decode_table())[nibbles]
+    values = _e2m1_values(codes)
     blocks = values.reshape(batch, rows, half * 2 // 16, 16)
     out = (blocks * multiplier[..., None]).reshape(batch, rows, half * 2)
     return out.astype(dtype)
@@ -303,10 +307,7 @@ def dequantize(codes, scales, amax, *, dtype):
 def _decode_unscaled(codes, scales):
     """e2m1(code) * s_b as float32 [b, r, l] (exact; the amax not applied)."""
     batch, rows, half = codes.shape
-    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
-        batch, rows, half * 2
-    )
-    values = jnp.asarray(e2m1_decode_table())[nibbles]
+    values = _e2m1_values(codes)
     scale = e4m3_decode(lax.bitcast_convert_type(scales, jnp.uint8))
     blocks = values.reshape(batch, rows, half * 2 // 16, 16) * scale[..., None]
     return blocks.reshape(batch, rows, half * 2)
