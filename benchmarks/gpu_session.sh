@@ -3,12 +3,14 @@
 # the quantize and linear benchmarks, compute-sanitizer memcheck + racecheck
 # (each step time-boxed). Results land in $OUT.
 #   bash benchmarks/gpu_session.sh [tests-to-run]
+# SKIP_QUANTIZE_BENCH=1 / SKIP_SANITIZER=1 leave those steps out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 tests="${1:-tests/test_quantize.py tests/test_stochastic.py tests/test_numerics.py tests/test_gemm.py tests/test_recipe.py}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+pip list 2>/dev/null | grep -iE "^(jax|flax|equinox|optax|nvidia|ml.dtypes|numpy)" > "$OUT/pip_list.txt"
 t0=$(date +%s)
 JAX_NVFP4_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 300 python3 -m pip install \
   --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
@@ -16,8 +18,10 @@ echo "build: $(( $(date +%s) - t0 )) s"
 (cd /tmp && python3 -c "import jax_nvfp4 as nv; print('handlers:', sorted(nv.available_platforms()))")
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 timeout 240 pytest -q $tests 2>&1 | tee "$OUT/pytest.txt" | tail -8
-timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
-timeout 120 python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" 2>&1 | tee "$OUT/linear_bench.txt" | tail -10
+[ -n "${SKIP_QUANTIZE_BENCH:-}" ] || timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
+mkdir -p "$OUT/hlo"
+timeout 300 python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" --hlo-dir "$OUT/hlo" 2>&1 | tee "$OUT/linear_bench.txt" | tail -30
+[ -n "${SKIP_SANITIZER:-}" ] && exit 0
 for tool in memcheck racecheck; do
   timeout 100 compute-sanitizer --tool $tool python3 tests/sanitizer_smoke.py > "$OUT/sanitizer_$tool.txt" 2>&1
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|smoke' "$OUT/sanitizer_$tool.txt" | tr '\n' ' ')"

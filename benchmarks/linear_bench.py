@@ -1,6 +1,6 @@
 """FP4 GEMM and the NVFP4 linear layer (forward + backward) against bf16.
 
-    python benchmarks/linear_bench.py [--out results.json]
+    python benchmarks/linear_bench.py [--out results.json] [--hlo-dir DIR]
 
 Rows, in one run (median of several calls of a jitted function that applies
 the op to REPEAT distinct inputs; time per op):
@@ -12,6 +12,11 @@ the op to REPEAT distinct inputs; time per op):
   linear nvfp4         the same through jax_nvfp4.dot (RHT, SR, 2D weights)
   linear fake-quant    the same recipe, pure JAX (implementation="reference")
   linear scaled_dot    jax.nn.scaled_dot_general nvfp4 (no FP4 backward)
+
+Memory, per linear shape: the bytes the forward pass keeps for the backward
+(the vjp closure's arrays; inputs counted for bf16, which keeps x and w) and
+the peak device memory of one jitted forward+backward step as XLA's compiled
+memory analysis reports it (arguments + outputs + temporaries; aliasing none).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def _try(fn):
         return float("nan")
 
 
-def bench_gemm(s):
+def bench_gemm(s, hlo_dir=None):
     keys = jax.random.split(jax.random.key(0), 2 * REPEAT)
     pairs = [
         (
@@ -67,6 +72,10 @@ def bench_gemm(s):
         for i in range(REPEAT)
     ]
     quantized = [(nv.quantize(a), nv.quantize(b, 0, block="16x16")) for a, b in pairs]
+    if hlo_dir:
+        text = jax.jit(nv.matmul).lower(*quantized[0]).compile().as_text()
+        with open(f"{hlo_dir}/gemm_nvfp4_{s}.hlo.txt", "w") as f:
+            f.write(text)
     return {
         "gemm bf16": timed(jnp.dot, pairs),
         "gemm nvfp4": timed(nv.matmul, quantized),
@@ -74,7 +83,24 @@ def bench_gemm(s):
     }
 
 
-def bench_linear(tokens, k, n):
+def _residual_bytes(dot, x, w):
+    _, vjp_fn = jax.vjp(dot, x, w)
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(vjp_fn))
+
+
+def _step_peak_bytes(step, x, w):
+    m = jax.jit(step).lower(x, w).compile().memory_analysis()
+    if m is None:
+        return float("nan")
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def bench_linear(tokens, k, n, hlo_dir=None):
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
     w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 0.02
@@ -88,39 +114,78 @@ def bench_linear(tokens, k, n):
         return jax.value_and_grad(f, argnums=(0, 1))
 
     fake = nv.Recipe(implementation="reference")
-    return {
-        "linear bf16": timed(step(jnp.dot), inputs),
-        "linear nvfp4": timed(step(lambda x, w: nv.dot(x, w, key=key)), inputs),
-        "linear fake-quant": timed(
-            step(lambda x, w: nv.dot(x, w, key=key, recipe=fake)), inputs
-        ),
-        "linear scaled_dot": _try(lambda: timed(step(_scaled_dot), inputs)),
+    dots = {
+        "bf16": jnp.dot,
+        "nvfp4": lambda x, w: nv.dot(x, w, key=key),
+        "fake-quant": lambda x, w: nv.dot(x, w, key=key, recipe=fake),
+        "scaled_dot": _scaled_dot,
     }
+    times = {
+        f"linear {name}": _try(lambda d=d: timed(step(d), inputs))
+        for name, d in dots.items()
+    }
+    memory = {
+        name: {
+            "residual_bytes": _try(lambda d=d: _residual_bytes(d, x, w)),
+            "step_peak_bytes": _try(lambda d=d: _step_peak_bytes(step(d), x, w)),
+        }
+        for name, d in dots.items()
+    }
+    if hlo_dir:
+        for name in ("bf16", "nvfp4"):
+            text = jax.jit(step(dots[name])).lower(x, w).compile().as_text()
+            with open(f"{hlo_dir}/linear_{name}_{tokens}x{k}x{n}.hlo.txt", "w") as f:
+                f.write(text)
+    return times, memory
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--hlo-dir", default=None, help="write compiled HLO here")
     parser.add_argument("--gemm", type=int, default=8192)
-    parser.add_argument("--linear", default="8192x4096x14336")
+    parser.add_argument(
+        "--linear",
+        default="8192x4096x14336,16384x8192x28672",
+        help="comma-separated TOKENSxKxN shapes",
+    )
     args = parser.parse_args()
-    rows = {}
-    rows.update(bench_gemm(args.gemm))
-    rows.update(bench_linear(*map(int, args.linear.split("x"))))
     print(f"device: {jax.devices()[0].device_kind} | jax {jax.__version__}")
+    results = {"gemm": bench_gemm(args.gemm, args.hlo_dir), "linear": {}}
     print(f"{'op':>22} {'ms':>8} {'vs bf16':>8}")
-    for name, t in rows.items():
-        base = rows["gemm bf16"] if name.startswith("gemm") else rows["linear bf16"]
-        print(f"{name:>22} {t * 1e3:8.3f} {t / base:8.2f}")
+    for name, t in results["gemm"].items():
+        print(f"{name:>22} {t * 1e3:8.3f} {t / results['gemm']['gemm bf16']:8.2f}")
+    for shape in args.linear.split(","):
+        times, memory = bench_linear(*map(int, shape.split("x")), args.hlo_dir)
+        results["linear"][shape] = {"times": times, "memory": memory}
+        print(f"linear {shape} (forward + backward)")
+        base = times["linear bf16"]
+        for name, t in times.items():
+            print(f"{name:>22} {t * 1e3:8.3f} {t / base:8.2f}")
+        print(f"{'':>22} {'residual MB':>12} {'vs bf16':>8} {'step peak MB':>13}")
+        for name, m in memory.items():
+            r, p = m["residual_bytes"], m["step_peak_bytes"]
+            ratio = r / memory["bf16"]["residual_bytes"]
+            print(f"{name:>22} {r / 2**20:12.1f} {ratio:8.3f} {p / 2**20:13.1f}")
     if args.out:
+        ms = {
+            "gemm": {k: v * 1e3 for k, v in results["gemm"].items()},
+            "linear": {
+                shape: {
+                    "ms": {k: v * 1e3 for k, v in r["times"].items()},
+                    "memory_bytes": r["memory"],
+                }
+                for shape, r in results["linear"].items()
+            },
+        }
         with open(args.out, "w") as f:
             json.dump(
                 {
                     "date": datetime.date.today().isoformat(),
                     "device": jax.devices()[0].device_kind,
-                    "gemm": args.gemm,
-                    "linear": args.linear,
-                    "ms": {k: v * 1e3 for k, v in rows.items()},
+                    "jax": jax.__version__,
+                    "gemm_size": args.gemm,
+                    "results": ms,
                 },
                 f,
                 indent=1,
