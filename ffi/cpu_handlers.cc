@@ -53,12 +53,13 @@ std::vector<float> OrientedMatrix(const ffi::AnyBuffer& x, int64_t b,
 }
 
 // Quantizes one [rows, len] matrix along len into codes [rows, len/2] and
-// E4M3 scale bytes [rows, len/16]. `index_base` is the flat index of q[0][0]
-// in the whole quantized tensor (for the stochastic-rounding counter).
+// E4M3 scale bytes [rows, len/16]. Element (r, l) draws its stochastic-
+// rounding bits at flat index index_base + r * index_row_stride + l of the
+// whole quantized tensor.
 void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
                     uint32_t key0, uint32_t key1,
                     const QuantizeOptions& options, uint64_t index_base,
-                    uint8_t* codes, uint8_t* scales) {
+                    int64_t index_row_stride, uint8_t* codes, uint8_t* scales) {
   const GlobalScale g = GlobalScaleFromAmax(amax);
   const int64_t blocks = len / kBlock;
   const int64_t tile = options.tile_rows;
@@ -75,7 +76,7 @@ void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
       const float multiplier = BlockEncodeMultiplier(scale, g);
       const uint8_t scale_byte = E4M3Encode(scale);
       for (int64_t r = r0; r < r0 + tile; ++r) {
-        const uint64_t first = index_base + r * len + kb * kBlock;
+        const uint64_t first = index_base + r * index_row_stride + kb * kBlock;
         uint64_t random_lo = 0, random_hi = 0;
         if (options.stochastic) {
           const uint32_t stream = static_cast<uint32_t>(options.stream);
@@ -99,6 +100,8 @@ void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
 ffi::Error QuantizeOutput(const ffi::AnyBuffer& x, bool transpose,
                           const ffi::Buffer<ffi::F32>& amax,
                           const ffi::Buffer<ffi::U32>& key,
+                          const ffi::Buffer<ffi::S32>& origin,
+                          const GlobalPlace& place,
                           const QuantizeOptions& options,
                           ffi::Result<ffi::Buffer<ffi::U8>>& codes,
                           ffi::Result<ffi::AnyBuffer>& scales) {
@@ -117,6 +120,12 @@ ffi::Error QuantizeOutput(const ffi::AnyBuffer& x, bool transpose,
       e.failure()) {
     return e;
   }
+  if (auto e = CheckPlace(d, origin, place); e.failure()) return e;
+  const int32_t* o = origin.typed_data();
+  if (o[0] < 0 || o[1] < 0 || o[2] < 0 || o[1] + d.m > place.global_m ||
+      o[2] + d.k > place.global_k) {
+    return InvalidArgument("origin places the input outside the tensor");
+  }
   const int64_t n_amax = amax.element_count();
   const int64_t n_key = key.element_count() / 2;
   uint8_t* code_data = codes->typed_data();
@@ -128,7 +137,8 @@ ffi::Error QuantizeOutput(const ffi::AnyBuffer& x, bool transpose,
     const int64_t kk = b / (d.batch / n_key);
     QuantizeMatrix(q.data(), rows, len, amax.typed_data()[a],
                    key.typed_data()[2 * kk], key.typed_data()[2 * kk + 1],
-                   options, static_cast<uint64_t>(b * rows * len),
+                   options, GlobalRandomIndex(o, place, transpose, b, 0, 0),
+                   transpose ? place.global_m : place.global_k,
                    code_data + b * rows * (len / 2),
                    scale_data + b * rows * (len / 16));
   }
@@ -139,36 +149,39 @@ ffi::Error QuantizeOutput(const ffi::AnyBuffer& x, bool transpose,
 // along m.
 template <bool kTranspose>
 ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
-                        ffi::Buffer<ffi::U32> key,
+                        ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> origin,
                         ffi::Result<ffi::Buffer<ffi::U8>> codes,
                         ffi::Result<ffi::AnyBuffer> scales, int64_t tile_rows,
-                        bool stochastic, bool rht, int64_t stream) {
+                        bool stochastic, bool rht, int64_t stream,
+                        int64_t global_m, int64_t global_k) {
   const QuantizeOptions options{tile_rows, stochastic, rht, stream};
-  return QuantizeOutput(x, kTranspose, amax, key, options, codes, scales);
+  return QuantizeOutput(x, kTranspose, amax, key, origin,
+                        GlobalPlace{global_m, global_k}, options, codes,
+                        scales);
 }
 
-ffi::Error QuantizeRowsColsImpl(ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::F32> row_amax,
-                                ffi::Buffer<ffi::F32> col_amax,
-                                ffi::Buffer<ffi::U32> key,
-                                ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
-                                ffi::Result<ffi::AnyBuffer> row_scales,
-                                ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
-                                ffi::Result<ffi::AnyBuffer> col_scales,
-                                int64_t row_tile_rows, bool row_stochastic,
-                                bool row_rht, int64_t row_stream,
-                                int64_t col_tile_rows, bool col_stochastic,
-                                bool col_rht, int64_t col_stream) {
+ffi::Error QuantizeRowsColsImpl(
+    ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
+    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
+    ffi::Buffer<ffi::S32> origin, ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
+    ffi::Result<ffi::AnyBuffer> row_scales,
+    ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
+    ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
+    bool row_stochastic, bool row_rht, int64_t row_stream,
+    int64_t col_tile_rows, bool col_stochastic, bool col_rht,
+    int64_t col_stream, int64_t global_m, int64_t global_k) {
+  const GlobalPlace place{global_m, global_k};
   const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
                              row_stream};
   const QuantizeOptions cols{col_tile_rows, col_stochastic, col_rht,
                              col_stream};
-  if (auto e =
-          QuantizeOutput(x, false, row_amax, key, rows, row_codes, row_scales);
+  if (auto e = QuantizeOutput(x, false, row_amax, key, origin, place, rows,
+                              row_codes, row_scales);
       e.failure()) {
     return e;
   }
-  return QuantizeOutput(x, true, col_amax, key, cols, col_codes, col_scales);
+  return QuantizeOutput(x, true, col_amax, key, origin, place, cols, col_codes,
+                        col_scales);
 }
 
 // amax[b] = (max |x[b]|, max |bf16(RHT(x[b]))|) with the transform along
@@ -342,12 +355,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsCpu,
                                   .Arg<ffi::AnyBuffer>()         // x [b, m, k]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]
                                   .Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // origin [3]
                                   .Ret<ffi::Buffer<ffi::U8>>()   // codes
                                   .Ret<ffi::AnyBuffer>()         // e4m3 scales
                                   .Attr<int64_t>("tile_rows")
                                   .Attr<bool>("stochastic")
                                   .Attr<bool>("rht")
-                                  .Attr<int64_t>("stream"));
+                                  .Attr<int64_t>("stream")
+                                  .Attr<int64_t>("global_m")
+                                  .Attr<int64_t>("global_k"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxNvfp4QuantizeColsCpu, jax_nvfp4::QuantizeImpl<true>,
@@ -355,12 +371,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()         // x [b, m, k]
         .Arg<ffi::Buffer<ffi::F32>>()  // amax [n]
         .Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2]
+        .Arg<ffi::Buffer<ffi::S32>>()  // origin [3]
         .Ret<ffi::Buffer<ffi::U8>>()   // codes [b,k,m/2]
         .Ret<ffi::AnyBuffer>()         // scales [b,k,m/16]
         .Attr<int64_t>("tile_rows")
         .Attr<bool>("stochastic")
         .Attr<bool>("rht")
-        .Attr<int64_t>("stream"));
+        .Attr<int64_t>("stream")
+        .Attr<int64_t>("global_m")
+        .Attr<int64_t>("global_k"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsColsCpu,
                               jax_nvfp4::QuantizeRowsColsImpl,
@@ -369,6 +388,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsColsCpu,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // row amax
                                   .Arg<ffi::Buffer<ffi::F32>>()  // col amax
                                   .Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // origin [3]
                                   .Ret<ffi::Buffer<ffi::U8>>()   // row codes
                                   .Ret<ffi::AnyBuffer>()         // row scales
                                   .Ret<ffi::Buffer<ffi::U8>>()   // col codes
@@ -380,7 +400,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsColsCpu,
                                   .Attr<int64_t>("col_tile_rows")
                                   .Attr<bool>("col_stochastic")
                                   .Attr<bool>("col_rht")
-                                  .Attr<int64_t>("col_stream"));
+                                  .Attr<int64_t>("col_stream")
+                                  .Attr<int64_t>("global_m")
+                                  .Attr<int64_t>("global_k"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4AmaxCpu, jax_nvfp4::AmaxImpl,
                               ffi::Ffi::Bind()

@@ -318,6 +318,11 @@ struct OutputArgs {
   bool stochastic;
   bool rht;
   bool codes_aligned;  // codes is 8-byte aligned: one 8-byte store per block
+  // Stochastic-rounding index of element (b, r, l): its flat index in the
+  // whole (possibly sharded) tensor; see GlobalRandomIndex.
+  const int32_t* origin;  // device int32[3]
+  GlobalPlace place;
+  bool transposed;  // the column-wise output (rows = k)
 };
 
 struct KeyArgs {
@@ -359,16 +364,18 @@ struct EncodedBlock {
 };
 
 // Quantizes one 16-element block (already transformed) whose scale comes
-// from `block_amax`. `flat` is the flat index of v[0] in the quantized layout
-// (a multiple of 16), which picks the stochastic-rounding bits.
-__device__ __forceinline__ EncodedBlock EncodeBlock(
-    const float (&v)[kBlock], float block_amax, GlobalScale g,
-    const OutputArgs& out, uint32_t key0, uint32_t key1, uint64_t flat) {
+// from `block_amax`. v[0] is element (b, r, l) of the output [batch, rows,
+// len]; its index in the whole tensor picks the stochastic-rounding bits.
+__device__ __forceinline__ EncodedBlock
+EncodeBlock(const float (&v)[kBlock], float block_amax, GlobalScale g,
+            const OutputArgs& out, uint32_t key0, uint32_t key1, int64_t b,
+            int64_t r, int64_t l) {
   const float scale = BlockScale(block_amax, g);
   const float multiplier = BlockEncodeMultiplier(scale, g);
   uint64_t packed;
   if (out.stochastic) {
-    const uint64_t w = flat / 8;
+    const uint64_t w =
+        GlobalRandomIndex(out.origin, out.place, out.transposed, b, r, l) / 8;
     const uint64_t random_lo = RandomBytes8(key0, key1, out.stream, w);
     const uint64_t random_hi = RandomBytes8(key0, key1, out.stream, w + 1);
     packed = EncodeBlock16Fast(v, multiplier, /*stochastic=*/true, random_lo,
@@ -396,8 +403,10 @@ __device__ __forceinline__ void EncodeAndStore(const float (&v)[kBlock],
                                                float block_amax, GlobalScale g,
                                                const OutputArgs& out,
                                                uint32_t key0, uint32_t key1,
-                                               uint64_t flat) {
-  const EncodedBlock e = EncodeBlock(v, block_amax, g, out, key0, key1, flat);
+                                               uint64_t flat, int64_t b,
+                                               int64_t r, int64_t l) {
+  const EncodedBlock e =
+      EncodeBlock(v, block_amax, g, out, key0, key1, b, r, l);
   StoreCodes(out.codes + flat / 2, e.packed, out.codes_aligned);
   out.scales[flat / kBlock] = e.scale;
 }
@@ -600,10 +609,8 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
                 block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, offset));
           }
         }
-        const uint64_t flat = static_cast<uint64_t>(
-            (pos.b * args.m + m) * args.k + pos.k0 + kBlock * kb);
-        const EncodedBlock e =
-            EncodeBlock(v, block_amax, g, out, key0, key1, flat);
+        const EncodedBlock e = EncodeBlock(v, block_amax, g, out, key0, key1,
+                                           pos.b, m, pos.k0 + kBlock * kb);
         smem.row_codes[r][RowCodeSlot(r, kb)] =
             make_uint2(static_cast<uint32_t>(e.packed),
                        static_cast<uint32_t>(e.packed >> 32));
@@ -643,10 +650,9 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
                 block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, offset));
           }
         }
-        const uint64_t flat = static_cast<uint64_t>(
-            (pos.b * args.k + pos.k0 + c) * args.m + pos.m0 + 16 * warp);
         const EncodedBlock e =
-            EncodeBlock(v, block_amax, g, out, key0, key1, flat);
+            EncodeBlock(v, block_amax, g, out, key0, key1, pos.b, pos.k0 + c,
+                        pos.m0 + 16 * warp);
         smem.col_codes[c][warp] =
             make_uint2(static_cast<uint32_t>(e.packed),
                        static_cast<uint32_t>(e.packed >> 32));
@@ -769,7 +775,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t kk = Div(b, args.key.batch_per_key);
     EncodeAndStore(v, block_amax, GlobalScaleOf(args.out, b), args.out,
                    args.key.key[2 * kk], args.key.key[2 * kk + 1],
-                   static_cast<uint64_t>(first));
+                   static_cast<uint64_t>(first), b, row - b * args.m,
+                   first - row * args.k);
     if (next >= args.blocks) break;
     i = next;
     row = next_row;
@@ -1023,8 +1030,25 @@ ffi::Error CheckQuantize(const ffi::AnyBuffer& x, bool transpose,
   return CheckOutputSizes(d->batch, rows, len, codes, scales);
 }
 
+// CheckQuantize plus the shard placement (the origin itself is on the device).
+ffi::Error CheckQuantizePlaced(
+    const ffi::AnyBuffer& x, bool transpose, const ffi::Buffer<ffi::F32>& amax,
+    const ffi::Buffer<ffi::U32>& key, const ffi::Buffer<ffi::S32>& origin,
+    const GlobalPlace& place, const QuantizeOptions& options,
+    ffi::Result<ffi::Buffer<ffi::U8>>& codes,
+    ffi::Result<ffi::AnyBuffer>& scales, MatrixDims* d) {
+  if (auto e =
+          CheckQuantize(x, transpose, amax, key, options, codes, scales, d);
+      e.failure()) {
+    return e;
+  }
+  return CheckPlace(*d, origin, place);
+}
+
 OutputArgs MakeOutputArgs(const MatrixDims& d,
                           const ffi::Buffer<ffi::F32>& amax,
+                          const ffi::Buffer<ffi::S32>& origin,
+                          const GlobalPlace& place, bool transposed,
                           const QuantizeOptions& options,
                           ffi::Result<ffi::Buffer<ffi::U8>>& codes,
                           ffi::Result<ffi::AnyBuffer>& scales) {
@@ -1038,6 +1062,9 @@ OutputArgs MakeOutputArgs(const MatrixDims& d,
   o.stochastic = options.stochastic;
   o.rht = options.rht;
   o.codes_aligned = IsAligned(o.codes, 8);
+  o.origin = origin.typed_data();
+  o.place = place;
+  o.transposed = transposed;
   return o;
 }
 
@@ -1085,17 +1112,17 @@ TileArgs MakeTileArgs(const ffi::AnyBuffer& x, const MatrixDims& d,
   return t;
 }
 
-ffi::Error QuantizeRowsCuda(cudaStream_t stream, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::F32> amax,
-                            ffi::Buffer<ffi::U32> key,
-                            ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                            ffi::Result<ffi::AnyBuffer> scales,
-                            int64_t tile_rows, bool stochastic, bool rht,
-                            int64_t stream_id) {
+ffi::Error QuantizeRowsCuda(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
+    ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> origin,
+    ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::AnyBuffer> scales,
+    int64_t tile_rows, bool stochastic, bool rht, int64_t stream_id,
+    int64_t global_m, int64_t global_k) {
+  const GlobalPlace place{global_m, global_k};
   const QuantizeOptions options{tile_rows, stochastic, rht, stream_id};
   MatrixDims d;
-  if (auto e = CheckQuantize(x, /*transpose=*/false, amax, key, options, codes,
-                             scales, &d);
+  if (auto e = CheckQuantizePlaced(x, /*transpose=*/false, amax, key, origin,
+                                   place, options, codes, scales, &d);
       e.failure()) {
     return e;
   }
@@ -1108,7 +1135,8 @@ ffi::Error QuantizeRowsCuda(cudaStream_t stream, ffi::AnyBuffer x,
   if (args.blocks == 0) return ffi::Error::Success();
   args.x_vec = IsAligned(args.x, 16);
   args.key = MakeKeyArgs(d, key);
-  args.out = MakeOutputArgs(d, amax, options, codes, scales);
+  args.out =
+      MakeOutputArgs(d, amax, origin, place, false, options, codes, scales);
   const int64_t ctas = (args.blocks + kThreads - 1) / kThreads;
   switch (x.element_type()) {
     case ffi::DataType::BF16: {
@@ -1130,59 +1158,62 @@ ffi::Error QuantizeRowsCuda(cudaStream_t stream, ffi::AnyBuffer x,
   return LaunchError("quantize_rows");
 }
 
-ffi::Error QuantizeColsCuda(cudaStream_t stream, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::F32> amax,
-                            ffi::Buffer<ffi::U32> key,
-                            ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                            ffi::Result<ffi::AnyBuffer> scales,
-                            int64_t tile_rows, bool stochastic, bool rht,
-                            int64_t stream_id) {
+ffi::Error QuantizeColsCuda(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
+    ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> origin,
+    ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::AnyBuffer> scales,
+    int64_t tile_rows, bool stochastic, bool rht, int64_t stream_id,
+    int64_t global_m, int64_t global_k) {
+  const GlobalPlace place{global_m, global_k};
   const QuantizeOptions options{tile_rows, stochastic, rht, stream_id};
   MatrixDims d;
-  if (auto e = CheckQuantize(x, /*transpose=*/true, amax, key, options, codes,
-                             scales, &d);
+  if (auto e = CheckQuantizePlaced(x, /*transpose=*/true, amax, key, origin,
+                                   place, options, codes, scales, &d);
       e.failure()) {
     return e;
   }
   TileArgs args = MakeTileArgs(x, d, key);
   if (args.tiles == 0) return ffi::Error::Success();
-  args.col = MakeOutputArgs(d, amax, options, codes, scales);
+  args.col =
+      MakeOutputArgs(d, amax, origin, place, true, options, codes, scales);
   args.row = args.col;  // unused
   return LaunchTile</*kRows=*/false, /*kCols=*/true>(stream, x.element_type(),
                                                      args);
 }
 
-ffi::Error QuantizeRowsColsCuda(cudaStream_t stream, ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::F32> row_amax,
-                                ffi::Buffer<ffi::F32> col_amax,
-                                ffi::Buffer<ffi::U32> key,
-                                ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
-                                ffi::Result<ffi::AnyBuffer> row_scales,
-                                ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
-                                ffi::Result<ffi::AnyBuffer> col_scales,
-                                int64_t row_tile_rows, bool row_stochastic,
-                                bool row_rht, int64_t row_stream,
-                                int64_t col_tile_rows, bool col_stochastic,
-                                bool col_rht, int64_t col_stream) {
+ffi::Error QuantizeRowsColsCuda(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
+    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
+    ffi::Buffer<ffi::S32> origin, ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
+    ffi::Result<ffi::AnyBuffer> row_scales,
+    ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
+    ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
+    bool row_stochastic, bool row_rht, int64_t row_stream,
+    int64_t col_tile_rows, bool col_stochastic, bool col_rht,
+    int64_t col_stream, int64_t global_m, int64_t global_k) {
+  const GlobalPlace place{global_m, global_k};
   const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
                              row_stream};
   const QuantizeOptions cols{col_tile_rows, col_stochastic, col_rht,
                              col_stream};
   MatrixDims d;
-  if (auto e = CheckQuantize(x, /*transpose=*/false, row_amax, key, rows,
-                             row_codes, row_scales, &d);
+  if (auto e =
+          CheckQuantizePlaced(x, /*transpose=*/false, row_amax, key, origin,
+                              place, rows, row_codes, row_scales, &d);
       e.failure()) {
     return e;
   }
-  if (auto e = CheckQuantize(x, /*transpose=*/true, col_amax, key, cols,
-                             col_codes, col_scales, &d);
+  if (auto e = CheckQuantizePlaced(x, /*transpose=*/true, col_amax, key, origin,
+                                   place, cols, col_codes, col_scales, &d);
       e.failure()) {
     return e;
   }
   TileArgs args = MakeTileArgs(x, d, key);
   if (args.tiles == 0) return ffi::Error::Success();
-  args.row = MakeOutputArgs(d, row_amax, rows, row_codes, row_scales);
-  args.col = MakeOutputArgs(d, col_amax, cols, col_codes, col_scales);
+  args.row = MakeOutputArgs(d, row_amax, origin, place, false, rows, row_codes,
+                            row_scales);
+  args.col = MakeOutputArgs(d, col_amax, origin, place, true, cols, col_codes,
+                            col_scales);
   return LaunchTile</*kRows=*/true, /*kCols=*/true>(stream, x.element_type(),
                                                     args);
 }
@@ -1303,12 +1334,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // x [b, m, k]
         .Arg<ffi::Buffer<ffi::F32>>()              // amax [n]
         .Arg<ffi::Buffer<ffi::U32>>()              // key [n, 2]
+        .Arg<ffi::Buffer<ffi::S32>>()              // origin [3]
         .Ret<ffi::Buffer<ffi::U8>>()               // codes [b, m, k/2]
         .Ret<ffi::AnyBuffer>()                     // scales [b, m, k/16]
         .Attr<int64_t>("tile_rows")
         .Attr<bool>("stochastic")
         .Attr<bool>("rht")
-        .Attr<int64_t>("stream"),
+        .Attr<int64_t>("stream")
+        .Attr<int64_t>("global_m")
+        .Attr<int64_t>("global_k"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -1318,12 +1352,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // x [b, m, k]
         .Arg<ffi::Buffer<ffi::F32>>()              // amax [n]
         .Arg<ffi::Buffer<ffi::U32>>()              // key [n, 2]
+        .Arg<ffi::Buffer<ffi::S32>>()              // origin [3]
         .Ret<ffi::Buffer<ffi::U8>>()               // codes [b, k, m/2]
         .Ret<ffi::AnyBuffer>()                     // scales [b, k, m/16]
         .Attr<int64_t>("tile_rows")
         .Attr<bool>("stochastic")
         .Attr<bool>("rht")
-        .Attr<int64_t>("stream"),
+        .Attr<int64_t>("stream")
+        .Attr<int64_t>("global_m")
+        .Attr<int64_t>("global_k"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -1334,6 +1371,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::F32>>()              // row amax
         .Arg<ffi::Buffer<ffi::F32>>()              // col amax
         .Arg<ffi::Buffer<ffi::U32>>()              // key [n, 2]
+        .Arg<ffi::Buffer<ffi::S32>>()              // origin [3]
         .Ret<ffi::Buffer<ffi::U8>>()               // row codes
         .Ret<ffi::AnyBuffer>()                     // row scales
         .Ret<ffi::Buffer<ffi::U8>>()               // col codes
@@ -1345,7 +1383,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("col_tile_rows")
         .Attr<bool>("col_stochastic")
         .Attr<bool>("col_rht")
-        .Attr<int64_t>("col_stream"),
+        .Attr<int64_t>("col_stream")
+        .Attr<int64_t>("global_m")
+        .Attr<int64_t>("global_k"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

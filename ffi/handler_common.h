@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "nvfp4_numerics.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {
@@ -28,6 +29,30 @@ struct MatrixDims {
   int64_t m;
   int64_t k;
 };
+
+// Where a call's [batch, m, k] input sits in the whole logical tensor: its
+// origin (b0, m0, k0) and the whole tensor's m and k. A partitioned call
+// quantizes one shard; stochastic-rounding bits depend on an element's flat
+// index in the whole quantized tensor, so each shard draws the bits that one
+// device quantizing everything would. Unpartitioned: origin 0, global = local.
+struct GlobalPlace {
+  int64_t global_m;
+  int64_t global_k;
+};
+
+// Flat index in the whole quantized tensor [batch, rows, len] of local
+// element (b, r, l) of an output quantized along k (rows = m) or, transposed,
+// along m (rows = k). `origin` is (b0, m0, k0).
+NVFP4_HD uint64_t GlobalRandomIndex(const int32_t* origin, const GlobalPlace& g,
+                                    bool transposed, int64_t b, int64_t r,
+                                    int64_t l) {
+  const int64_t rows = transposed ? g.global_k : g.global_m;
+  const int64_t len = transposed ? g.global_m : g.global_k;
+  const int64_t r0 = origin[transposed ? 2 : 1];
+  const int64_t l0 = origin[transposed ? 1 : 2];
+  return static_cast<uint64_t>(((origin[0] + b) * rows + r0 + r) * len + l0 +
+                               l);
+}
 
 inline ffi::Error InvalidArgument(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_nvfp4: " + message);
@@ -72,6 +97,20 @@ inline ffi::Error CheckQuantizeOperands(int64_t batch, int64_t rows,
   const int64_t n_key = key.element_count() / 2;
   if (key.element_count() % 2 != 0 || n_key < 1 || batch % n_key != 0) {
     return InvalidArgument("key must be [n, 2] with n dividing the batch size");
+  }
+  return ffi::Error::Success();
+}
+
+// The origin operand is int32 [3] and the whole tensor is at least as large
+// as this call's input.
+inline ffi::Error CheckPlace(const MatrixDims& d,
+                             const ffi::Buffer<ffi::S32>& origin,
+                             const GlobalPlace& g) {
+  if (origin.element_count() != 3) {
+    return InvalidArgument("origin must be int32[3] (batch, m, k offsets)");
+  }
+  if (g.global_m < d.m || g.global_k < d.k) {
+    return InvalidArgument("global_m/global_k smaller than the input");
   }
   return ffi::Error::Success();
 }

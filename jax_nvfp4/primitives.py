@@ -18,7 +18,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_nvfp4 import _ffi_registry, reference
+from jax_nvfp4 import _ffi_registry, partitioning, reference
+from jax_nvfp4.partitioning import Dim
 
 __all__ = [
     "amax_p",
@@ -37,20 +38,20 @@ def _codes_and_scales(batch, rows, length):
     )
 
 
-def _quantize_rows_abstract(x, amax, key, **params):
-    del amax, key, params
+def _quantize_rows_abstract(x, amax, key, origin, **params):
+    del amax, key, origin, params
     b, m, k = x.shape
     return _codes_and_scales(b, m, k)
 
 
-def _quantize_cols_abstract(x, amax, key, **params):
-    del amax, key, params
+def _quantize_cols_abstract(x, amax, key, origin, **params):
+    del amax, key, origin, params
     b, m, k = x.shape
     return _codes_and_scales(b, k, m)
 
 
-def _quantize_rows_cols_abstract(x, row_amax, col_amax, key, **params):
-    del row_amax, col_amax, key, params
+def _quantize_rows_cols_abstract(x, row_amax, col_amax, key, origin, **params):
+    del row_amax, col_amax, key, origin, params
     b, m, k = x.shape
     return (*_codes_and_scales(b, m, k), *_codes_and_scales(b, k, m))
 
@@ -97,28 +98,38 @@ def _unfold(outs, size):
     return outs, [0] * len(outs)
 
 
+def _unbatched_origin(origin, d):
+    if d is not None:
+        raise NotImplementedError(
+            "vmap over the origin operand of a quantize primitive is not supported"
+        )
+    return origin
+
+
 def _quantize_batch(prim, args, dims, **params):
-    x, amax, key = args
-    xd, ad, kd = dims
+    x, amax, key, origin = args
+    xd, ad, kd, od = dims
     size = _batch_size(args, dims)
     outs = prim.bind(
         _fold(x, xd, size),
         _fold_per_item(amax, ad, size),
         _fold_per_item(key, kd, size, 2),
+        _unbatched_origin(origin, od),
         **params,
     )
     return _unfold(outs, size)
 
 
 def _quantize_rows_cols_batch(args, dims, **params):
-    x, row_amax, col_amax, key = args
-    xd, rd, cd, kd = dims
+    x, row_amax, col_amax, key, origin = args
+    xd, rd, cd, kd, od = dims
     size = _batch_size(args, dims)
     outs = quantize_rows_cols_p.bind(
         _fold(x, xd, size),
         _fold_per_item(row_amax, rd, size),
         _fold_per_item(col_amax, cd, size),
         _fold_per_item(key, kd, size, 2),
+        _unbatched_origin(origin, od),
         **params,
     )
     return _unfold(outs, size)
@@ -177,11 +188,37 @@ def _define(
     abstract,
     reference_fn,
     batch_rule,
+    layout,
     *,
     multiple,
     drop=(),
     lowerings=None,
+    origin_arg=None,
 ):
+    """Two primitives: ``name`` (the public one: abstract eval, batching,
+    impl, and a lowering that partitions by ``layout`` under sharded jit) and
+    ``name_local`` (one shard's work: the FFI handler, a platform-specific
+    pure-JAX path, or the reference)."""
+    local = Primitive(name + "_local")
+    local.multiple_results = multiple
+    local.def_abstract_eval(abstract)
+    # The reference is the default lowering; handler platforms override it.
+    mlir.register_lowering(
+        local, mlir.lower_fun(reference_fn, multiple_results=multiple)
+    )
+    # Platform-specific pure-JAX paths (e.g. the Hopper GEMM), then handlers.
+    for platform, fn in (lowerings or {}).items():
+        mlir.register_lowering(
+            local, mlir.lower_fun(fn, multiple_results=multiple), platform=platform
+        )
+    for platform, targets in _ffi_registry.registered_targets().items():
+        if target in targets:
+            mlir.register_lowering(local, _ffi_rule(target, drop), platform=platform)
+
+    def local_fn(*args, **params):
+        out = local.bind(*args, **params)
+        return tuple(out) if multiple else out
+
     prim = Primitive(name)
     prim.multiple_results = multiple
     prim.def_abstract_eval(abstract)
@@ -190,19 +227,154 @@ def _define(
     )
     batching.primitive_batchers[prim] = batch_rule
     ad.primitive_jvps[prim] = functools.partial(_no_derivative, name)
-    # The reference is the default lowering; handler platforms override it.
-    mlir.register_lowering(
-        prim, mlir.lower_fun(reference_fn, multiple_results=multiple)
-    )
-    # Platform-specific pure-JAX paths (e.g. the Hopper GEMM), then handlers.
-    for platform, fn in (lowerings or {}).items():
-        mlir.register_lowering(
-            prim, mlir.lower_fun(fn, multiple_results=multiple), platform=platform
-        )
-    for platform, targets in _ffi_registry.registered_targets().items():
-        if target in targets:
-            mlir.register_lowering(prim, _ffi_rule(target, drop), platform=platform)
+    sharded = partitioning.partitioned(local_fn, layout, origin_arg=origin_arg)
+    mlir.register_lowering(prim, mlir.lower_fun(sharded, multiple_results=multiple))
+    partitioning.needs_devices_during_lowering(prim)
     return prim
+
+
+# --- layouts: how each primitive's dimensions partition -----------------------
+
+_B = "batch"
+
+
+def _per_item(n, batch):
+    """A per-batch-item operand ([n] or [n, 2]) follows the batch if n > 1."""
+    return Dim(_B if n == batch and n > 1 else None)
+
+
+def _quantize_layout(
+    shapes,
+    *,
+    along_m_rows,
+    along_m_cols,
+    tile16_rows=False,
+    tile16_cols=False,
+    rows_cols=False,
+):
+    """x [b, m, k]; outputs quantized along k (rows) and/or along m (cols).
+    A quantized axis is a factor counting 16-element blocks; the other axis
+    of a 16x16 tile too."""
+    (batch, m, k) = shapes[0]
+    m_blocked = along_m_cols or tile16_rows
+    k_blocked = along_m_rows or tile16_cols
+    units = {
+        _B: batch,
+        "m": m // 16 if m_blocked else m,
+        "k": k // 16 if k_blocked else k,
+    }
+    granule = {"m": 16 if m_blocked else 1, "k": 16 if k_blocked else 1}
+
+    def axis(f, blocked, per):
+        return Dim(f, per if blocked else 1)
+
+    x = (Dim(_B), axis("m", m_blocked, 16), axis("k", k_blocked, 16))
+    rows_out = (
+        (Dim(_B), axis("m", m_blocked, 16), Dim("k", 8)),
+        (Dim(_B), axis("m", m_blocked, 16), Dim("k")),
+    )
+    cols_out = (
+        (Dim(_B), axis("k", k_blocked, 16), Dim("m", 8)),
+        (Dim(_B), axis("k", k_blocked, 16), Dim("m")),
+    )
+    n_amax = [s[0] for s in shapes[1:-2]]
+    n_key = shapes[-2][0]
+    operands = (
+        x,
+        *[(_per_item(n, batch),) for n in n_amax],
+        (_per_item(n_key, batch), Dim(None)),
+        (Dim(None),),
+    )
+    if rows_cols:
+        results = (*rows_out, *cols_out)
+    elif along_m_rows:
+        results = rows_out
+    else:
+        results = cols_out
+    return partitioning.Layout(
+        operands=operands,
+        results=results,
+        sizes=units,
+        granule=granule,
+        origin=(_B, "m", "k"),
+        names={_B: "batch", "m": "row (m)", "k": "column (k)"},
+    )
+
+
+def _rows_layout(shapes, *, tile_rows, **_):
+    return _quantize_layout(
+        shapes, along_m_rows=True, along_m_cols=False, tile16_rows=tile_rows == 16
+    )
+
+
+def _cols_layout(shapes, *, tile_rows, **_):
+    return _quantize_layout(
+        shapes, along_m_rows=False, along_m_cols=True, tile16_cols=tile_rows == 16
+    )
+
+
+def _rows_cols_layout(shapes, **_):
+    return _quantize_layout(
+        shapes, along_m_rows=True, along_m_cols=True, rows_cols=True
+    )
+
+
+def _amax_layout(shapes, *, rht_axis):
+    ((batch, m, k),) = shapes
+    m_blocked, k_blocked = rht_axis == 1, rht_axis == 2
+    return partitioning.Layout(
+        operands=(
+            (
+                Dim(_B),
+                Dim("m", 16 if m_blocked else 1),
+                Dim("k", 16 if k_blocked else 1),
+            ),
+        ),
+        results=((Dim(_B), Dim(None)),),
+        sizes={
+            _B: batch,
+            "m": m // 16 if m_blocked else m,
+            "k": k // 16 if k_blocked else k,
+        },
+        granule={"m": 16 if m_blocked else 1, "k": 16 if k_blocked else 1},
+        reduce={"m": "max", "k": "max"},
+        names={_B: "batch", "m": "row (m)", "k": "column (k)"},
+    )
+
+
+def _dequantize_layout(shapes, **_):
+    (batch, rows, half), _, (n_amax,) = shapes
+    return partitioning.Layout(
+        operands=(
+            (Dim(_B), Dim("r"), Dim("l", 8)),
+            (Dim(_B), Dim("r"), Dim("l")),
+            (_per_item(n_amax, batch),),
+        ),
+        results=((Dim(_B), Dim("r"), Dim("l", 16)),),
+        sizes={_B: batch, "r": rows, "l": half // 8},
+        granule={"l": 16},
+        names={_B: "batch", "r": "row", "l": "quantized"},
+    )
+
+
+def _matmul_layout(shapes, **_):
+    (batch, m, half), _, (n_a,), (batch_b, n, _), _, (n_b,) = shapes
+    b_batch = Dim(_B) if batch_b == batch and batch > 1 else Dim(None)
+    return partitioning.Layout(
+        operands=(
+            (Dim(_B), Dim("m"), Dim("k", 8)),
+            (Dim(_B), Dim("m"), Dim("k")),
+            (_per_item(n_a, batch),),
+            (b_batch, Dim("n"), Dim("k", 8)),
+            (b_batch, Dim("n"), Dim("k")),
+            (_per_item(n_b, batch) if n_b == batch_b else Dim(None),),
+        ),
+        results=((Dim(_B), Dim("m"), Dim("n")),),
+        sizes={_B: batch, "m": m, "n": n, "k": half // 8},
+        granule={"k": 16},
+        reduce={"k": "sum"},
+        names={_B: "batch", "m": "row (m)", "n": "column (n)", "k": "contraction (k)"},
+    )
 
 
 quantize_rows_p = _define(
@@ -211,7 +383,9 @@ quantize_rows_p = _define(
     _quantize_rows_abstract,
     reference.quantize_rows,
     lambda args, dims, **p: _quantize_batch(quantize_rows_p, args, dims, **p),
+    _rows_layout,
     multiple=True,
+    origin_arg=3,
 )
 quantize_cols_p = _define(
     "nvfp4_quantize_cols",
@@ -219,7 +393,9 @@ quantize_cols_p = _define(
     _quantize_cols_abstract,
     reference.quantize_cols,
     lambda args, dims, **p: _quantize_batch(quantize_cols_p, args, dims, **p),
+    _cols_layout,
     multiple=True,
+    origin_arg=3,
 )
 quantize_rows_cols_p = _define(
     "nvfp4_quantize_rows_cols",
@@ -227,7 +403,9 @@ quantize_rows_cols_p = _define(
     _quantize_rows_cols_abstract,
     reference.quantize_rows_cols,
     _quantize_rows_cols_batch,
+    _rows_cols_layout,
     multiple=True,
+    origin_arg=4,
 )
 amax_p = _define(
     "nvfp4_amax",
@@ -235,6 +413,7 @@ amax_p = _define(
     _amax_abstract,
     reference.amax,
     _amax_batch,
+    _amax_layout,
     multiple=False,
 )
 dequantize_p = _define(
@@ -243,6 +422,7 @@ dequantize_p = _define(
     _dequantize_abstract,
     reference.dequantize,
     _dequantize_batch,
+    _dequantize_layout,
     multiple=False,
     drop=("dtype",),
 )
@@ -294,6 +474,7 @@ matmul_p = _define(
     _matmul_abstract,
     reference.matmul,
     _matmul_batch,
+    _matmul_layout,
     multiple=False,
     drop=("dtype",),
     lowerings={"cuda": reference.matmul_dequantize_bf16},
@@ -306,16 +487,29 @@ def matmul(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
     )
 
 
-def quantize_rows(x, amax, key, **params):
-    return tuple(quantize_rows_p.bind(x, amax, key, **params))
+def _place(x, origin, params):
+    """Defaults: x is the whole tensor (origin 0, global sizes = local)."""
+    _, m, k = x.shape
+    params["global_m"] = params.get("global_m") or m
+    params["global_k"] = params.get("global_k") or k
+    return jnp.zeros(3, jnp.int32) if origin is None else origin, params
 
 
-def quantize_cols(x, amax, key, **params):
-    return tuple(quantize_cols_p.bind(x, amax, key, **params))
+def quantize_rows(x, amax, key, origin=None, **params):
+    origin, params = _place(x, origin, params)
+    return tuple(quantize_rows_p.bind(x, amax, key, origin, **params))
 
 
-def quantize_rows_cols(x, row_amax, col_amax, key, **params):
-    return tuple(quantize_rows_cols_p.bind(x, row_amax, col_amax, key, **params))
+def quantize_cols(x, amax, key, origin=None, **params):
+    origin, params = _place(x, origin, params)
+    return tuple(quantize_cols_p.bind(x, amax, key, origin, **params))
+
+
+def quantize_rows_cols(x, row_amax, col_amax, key, origin=None, **params):
+    origin, params = _place(x, origin, params)
+    return tuple(
+        quantize_rows_cols_p.bind(x, row_amax, col_amax, key, origin, **params)
+    )
 
 
 def amax(x, *, rht_axis):

@@ -164,15 +164,31 @@ def threefry2x32(key0, key1, c0, c1):
     return x0, x1
 
 
-def random_bytes(key: jax.Array, shape: tuple[int, int, int], stream: int):
+def random_bytes(
+    key: jax.Array,
+    shape: tuple[int, int, int],
+    stream: int,
+    origin=None,
+    global_shape: tuple[int, int] | None = None,
+):
     """uint8 random bytes for a quantized layout [batch, rows, len].
 
     Element f = (b * rows + r) * len + l uses byte f % 8 of Threefry-2x32
     keyed by key[b // (batch // n_key)] at counter (stream << 24, f // 8).
+    For one shard of a larger tensor, ``origin`` = (b0, r0, l0) places it in
+    the whole tensor of ``global_shape`` = (rows, len), and f is the flat
+    index there (so every shard draws what one device would).
     """
     batch, rows, length = shape
+    g_rows, g_len = global_shape or (rows, length)
+    o = jnp.zeros(3, jnp.uint32) if origin is None else origin.astype(jnp.uint32)
     n_key = key.shape[0]
-    w = lax.iota(jnp.uint32, batch * rows * length // 8).reshape(batch, -1)
+    # f // 8 = row * (len / 8) + (l0 + l) // 8 (len and l0 are multiples of 16).
+    row = (o[0] + lax.iota(jnp.uint32, batch)[:, None]) * _u32(g_rows) + (
+        o[1] + lax.iota(jnp.uint32, rows)[None, :]
+    )
+    col = (o[2] + lax.iota(jnp.uint32, length // 8)[None, None, :] * 8) // 8
+    w = (row[:, :, None] * _u32(g_len // 8) + col).reshape(batch, -1)
     k = jnp.repeat(key, batch // n_key, axis=0)
     y0, y1 = threefry2x32(k[:, 0:1], k[:, 1:2], _u32(stream << 24), w)
     shifts = _u32(np.arange(4) * 8)
@@ -181,8 +197,11 @@ def random_bytes(key: jax.Array, shape: tuple[int, int, int], stream: int):
     return jnp.concatenate([b0, b1], axis=-1).astype(jnp.uint8).reshape(shape)
 
 
-def _quantize_oriented(q, amax, key, *, tile_rows, stochastic, rht, stream):
-    """Quantizes q [batch, rows, len] (float32) along len."""
+def _quantize_oriented(
+    q, amax, key, *, tile_rows, stochastic, rht, stream, origin, global_shape
+):
+    """Quantizes q [batch, rows, len] (float32) along len; ``origin`` and
+    ``global_shape`` place it in the whole tensor (see ``random_bytes``)."""
     batch, rows, length = q.shape
     if rht:
         q = random_hadamard16(q)
@@ -200,7 +219,8 @@ def _quantize_oriented(q, amax, key, *, tile_rows, stochastic, rht, stream):
     multiplier = jnp.fmin(_F32(1) / (scale * s_dec[bcast]), FLT_MAX)
     v = tiles * multiplier[:, :, None, :, None]
     if stochastic:
-        rnd = random_bytes(key, q.shape, stream).reshape(v.shape)
+        rnd = random_bytes(key, q.shape, stream, origin, global_shape)
+        rnd = rnd.reshape(v.shape)
         codes = e2m1_round_stochastic(v, rnd)
     else:
         codes = e2m1_round_nearest(v)
@@ -211,8 +231,30 @@ def _quantize_oriented(q, amax, key, *, tile_rows, stochastic, rht, stream):
     return packed, scales
 
 
-def quantize_rows(x, amax, key, *, tile_rows, stochastic, rht, stream):
-    """x [b, m, k] -> (codes [b, m, k/2], scales [b, m, k/16]) along k."""
+def _origin(origin):
+    return jnp.zeros(3, jnp.int32) if origin is None else origin
+
+
+def quantize_rows(
+    x,
+    amax,
+    key,
+    origin=None,
+    *,
+    tile_rows,
+    stochastic,
+    rht,
+    stream,
+    global_m=None,
+    global_k=None,
+):
+    """x [b, m, k] -> (codes [b, m, k/2], scales [b, m, k/16]) along k.
+
+    ``origin`` (int32 [3]: b0, m0, k0) and ``global_m``/``global_k`` place x
+    in a larger tensor for the stochastic-rounding index (default: x is all).
+    """
+    _, m, k = x.shape
+    o = _origin(origin)
     return _quantize_oriented(
         x.astype(jnp.float32),
         amax,
@@ -221,11 +263,27 @@ def quantize_rows(x, amax, key, *, tile_rows, stochastic, rht, stream):
         stochastic=stochastic,
         rht=rht,
         stream=stream,
+        origin=o,
+        global_shape=(global_m or m, global_k or k),
     )
 
 
-def quantize_cols(x, amax, key, *, tile_rows, stochastic, rht, stream):
+def quantize_cols(
+    x,
+    amax,
+    key,
+    origin=None,
+    *,
+    tile_rows,
+    stochastic,
+    rht,
+    stream,
+    global_m=None,
+    global_k=None,
+):
     """x [b, m, k] -> (codes [b, k, m/2], scales [b, k, m/16]) along m."""
+    _, m, k = x.shape
+    o = _origin(origin)
     return _quantize_oriented(
         jnp.swapaxes(x.astype(jnp.float32), 1, 2),
         amax,
@@ -234,6 +292,8 @@ def quantize_cols(x, amax, key, *, tile_rows, stochastic, rht, stream):
         stochastic=stochastic,
         rht=rht,
         stream=stream,
+        origin=o[jnp.array([0, 2, 1])],
+        global_shape=(global_k or k, global_m or m),
     )
 
 
@@ -242,6 +302,7 @@ def quantize_rows_cols(
     row_amax,
     col_amax,
     key,
+    origin=None,
     *,
     row_tile_rows,
     row_stochastic,
@@ -251,25 +312,32 @@ def quantize_rows_cols(
     col_stochastic,
     col_rht,
     col_stream,
+    global_m=None,
+    global_k=None,
 ):
     """Both quantizations of x [b, m, k]: along k (row-wise) and along m."""
+    place = dict(global_m=global_m, global_k=global_k)
     rows = quantize_rows(
         x,
         row_amax,
         key,
+        origin,
         tile_rows=row_tile_rows,
         stochastic=row_stochastic,
         rht=row_rht,
         stream=row_stream,
+        **place,
     )
     cols = quantize_cols(
         x,
         col_amax,
         key,
+        origin,
         tile_rows=col_tile_rows,
         stochastic=col_stochastic,
         rht=col_rht,
         stream=col_stream,
+        **place,
     )
     return (*rows, *cols)
 
