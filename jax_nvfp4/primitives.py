@@ -67,6 +67,34 @@ def _dequantize_abstract(codes, scales, amax, *, dtype):
     return jax.core.ShapedArray((b, r, 2 * half), dtype)
 
 
+# --- shard_map: outputs vary over the manual axes that the inputs vary over -
+
+
+def _varying(aval) -> frozenset:
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _with_varying(out, avals):
+    """Gives abstract outputs the manual-axis variance of the input that
+    varies most (inside shard_map with check_vma; a no-op elsewhere)."""
+    template = max(avals, key=lambda a: len(_varying(a)), default=None)
+    if template is None or not _varying(template):
+        return out
+
+    from jax._src import core as jax_core  # the current (manual) mesh
+
+    def one(o):
+        sharding = jax_core.get_cur_mesh_sharding()
+        if hasattr(template, "mat"):
+            return o.update(sharding=sharding, manual_axis_type=template.mat)
+        return o.update(sharding=sharding, vma=template.vma)
+
+    return [one(o) for o in out] if isinstance(out, list | tuple) else one(o=out)
+
+
 # --- batching: fold the vmapped axis into the leading batch axis -----------
 
 
@@ -199,9 +227,12 @@ def _define(
     impl, and a lowering that partitions by ``layout`` under sharded jit) and
     ``name_local`` (one shard's work: the FFI handler, a platform-specific
     pure-JAX path, or the reference)."""
+    def abstract_eval(*avals, **params):
+        return _with_varying(abstract(*avals, **params), avals)
+
     local = Primitive(name + "_local")
     local.multiple_results = multiple
-    local.def_abstract_eval(abstract)
+    local.def_abstract_eval(abstract_eval)
     # The reference is the default lowering; handler platforms override it.
     mlir.register_lowering(
         local, mlir.lower_fun(reference_fn, multiple_results=multiple)
@@ -221,7 +252,7 @@ def _define(
 
     prim = Primitive(name)
     prim.multiple_results = multiple
-    prim.def_abstract_eval(abstract)
+    prim.def_abstract_eval(abstract_eval)
     prim.def_impl(
         lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args)
     )

@@ -177,6 +177,7 @@ def quantize(
     amax: jax.Array | None = None,
     stream: int = 0,
     implementation: Implementation = "ffi",
+    _place=None,
 ) -> NVFP4Tensor:
     """Quantizes x to NVFP4 along ``axis``.
 
@@ -231,12 +232,31 @@ def quantize(
         x3,
         amax.reshape(1),
         words,
+        *_placement(_place, x3),
+        **_placement_params(_place, x3),
         tile_rows=tile_rows,
         stochastic=stochastic,
         rht=rht,
         stream=stream,
     )
     return _wrap(codes, scales, amax, x.shape, axis, block, rht)
+
+
+def _placement(place, x3):
+    """(origin,) and global sizes for a quantize of x3 [b, m, k] that is one
+    shard of a larger tensor; ``place`` = (m0, global_m) offsets the rows
+    (the token axis of the training recipe). Empty when x3 is the whole."""
+    if place is None:
+        return ()
+    m0, global_m = place
+    origin = jnp.stack([jnp.int32(0), jnp.asarray(m0, jnp.int32), jnp.int32(0)])
+    return (origin,)
+
+
+def _placement_params(place, x3):
+    if place is None:
+        return {}
+    return {"global_m": place[1], "global_k": x3.shape[2]}
 
 
 def _wrap(codes, scales, amax, shape, axis, block, rht) -> NVFP4Tensor:
@@ -268,6 +288,7 @@ def quantize_rowwise_and_columnwise(
     row_stream: int = 0,
     col_stream: int = 1,
     implementation: Implementation = "ffi",
+    _place=None,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Quantizes x [..., M, K] along K (row-wise) and along M (column-wise).
 
@@ -318,6 +339,8 @@ def quantize_rowwise_and_columnwise(
         row_amax.reshape(1),
         col_amax.reshape(1),
         words,
+        *_placement(_place, x3),
+        **_placement_params(_place, x3),
         row_tile_rows=row_tiles,
         row_stochastic=row_sr,
         row_rht=row_rht,

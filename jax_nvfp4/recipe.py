@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jax_nvfp4.gemm import matmul
 from jax_nvfp4.quantize import (
+    global_amax,
     key_words,
     quantize,
     quantize_rowwise_and_columnwise,
@@ -79,16 +80,71 @@ def _pad_tokens(a: jax.Array, tokens: int) -> jax.Array:
     return a if padded == tokens else jnp.pad(a, ((0, padded - tokens), (0, 0)))
 
 
-def _quantize_x(x2, recipe: Recipe):
+def _axis_names(axis_name) -> tuple[str, ...]:
+    if axis_name is None:
+        return ()
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+def _token_sharding(a2, axis_name):
+    """Inside shard_map with tokens sharded over ``axis_name``: where this
+    shard's tokens sit, (first token, all tokens); None otherwise."""
+    names = _axis_names(axis_name)
+    if not names:
+        return None
+    tokens = a2.shape[0]
+    if tokens % 16:
+        raise ValueError(
+            f"with axis_name={axis_name!r} each shard's token count must be a "
+            f"multiple of 16 (blocks along the token axis may not span shards); "
+            f"this shard has {tokens} tokens"
+        )
+    index, count = jnp.int32(0), 1
+    for name in names:
+        size = jax.lax.axis_size(name)
+        index = index * size + jax.lax.axis_index(name).astype(jnp.int32)
+        count *= size
+    return index * tokens, tokens * count
+
+
+def _shard_amaxes(a2, rht, axis_name):
+    """(plain amax, token-axis RHT amax) of the whole token-sharded tensor."""
+    names = _axis_names(axis_name)
+    if not names:
+        return None, None
+    plain = jax.lax.pmax(global_amax(a2), names)
+    col = jax.lax.pmax(global_amax(a2, 0, rht=True), names) if rht else plain
+    return plain, col
+
+
+def _quantize_x(x2, recipe: Recipe, axis_name=None):
     """x [T, K]: (row-wise along K for FPROP, column-wise along T for WGRAD)."""
     impl = recipe.implementation
+    place = _token_sharding(x2, axis_name)
+    row_amax, col_amax = _shard_amaxes(x2, recipe.rht and recipe.wgrad, axis_name)
     if recipe.fprop and recipe.wgrad:
         return quantize_rowwise_and_columnwise(
-            _pad_tokens(x2, x2.shape[0]), col_rht=recipe.rht, implementation=impl
+            _pad_tokens(x2, x2.shape[0]),
+            col_rht=recipe.rht,
+            row_amax=row_amax,
+            col_amax=col_amax,
+            implementation=impl,
+            _place=place,
         )
-    rows = quantize(x2, -1, implementation=impl) if recipe.fprop else None
+    rows = (
+        quantize(x2, -1, amax=row_amax, implementation=impl, _place=place)
+        if recipe.fprop
+        else None
+    )
     cols = (
-        quantize(_pad_tokens(x2, x2.shape[0]), 0, rht=recipe.rht, implementation=impl)
+        quantize(
+            _pad_tokens(x2, x2.shape[0]),
+            0,
+            rht=recipe.rht,
+            amax=col_amax,
+            implementation=impl,
+            _place=place,
+        )
         if recipe.wgrad
         else None
     )
@@ -109,11 +165,13 @@ def _quantize_w(w, recipe: Recipe):
     return along_k, along_n
 
 
-def _quantize_dy(dy2, words, recipe: Recipe):
+def _quantize_dy(dy2, words, recipe: Recipe, axis_name=None):
     """dy [T, N]: (along N for DGRAD, along T with RHT for WGRAD)."""
     rounding = "stochastic" if recipe.stochastic_rounding else "nearest"
     impl = recipe.implementation
     key = words[0] if recipe.stochastic_rounding else None
+    place = _token_sharding(dy2, axis_name)
+    row_amax, col_amax = _shard_amaxes(dy2, recipe.rht and recipe.wgrad, axis_name)
     if recipe.dgrad and recipe.wgrad:
         return quantize_rowwise_and_columnwise(
             _pad_tokens(dy2, dy2.shape[0]),
@@ -121,10 +179,21 @@ def _quantize_dy(dy2, words, recipe: Recipe):
             col_rounding=rounding,
             col_rht=recipe.rht,
             key=key,
+            row_amax=row_amax,
+            col_amax=col_amax,
             implementation=impl,
+            _place=place,
         )
     rows = (
-        quantize(dy2, -1, rounding=rounding, key=key, implementation=impl)
+        quantize(
+            dy2,
+            -1,
+            rounding=rounding,
+            key=key,
+            amax=row_amax,
+            implementation=impl,
+            _place=place,
+        )
         if recipe.dgrad
         else None
     )
@@ -136,7 +205,9 @@ def _quantize_dy(dy2, words, recipe: Recipe):
             rounding=rounding,
             key=key,
             stream=1,
+            amax=col_amax,
             implementation=impl,
+            _place=place,
         )
         if recipe.wgrad
         else None
@@ -145,16 +216,16 @@ def _quantize_dy(dy2, words, recipe: Recipe):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _dot2(x2, w, words, recipe, dtypes):
-    out, _ = _dot2_fwd(x2, w, words, recipe, dtypes)
+def _dot2(x2, w, words, recipe, static):
+    out, _ = _dot2_fwd(x2, w, words, recipe, static)
     return out
 
 
-def _dot2_fwd(x2, w, words, recipe, dtypes):
-    """dtypes: (input dtype, output dtype), static."""
-    _, out_dtype = dtypes
+def _dot2_fwd(x2, w, words, recipe, static):
+    """static: (input dtype, output dtype, axis_name)."""
+    _, out_dtype, axis_name = static
     tokens = x2.shape[0]
-    x_rows, x_cols = _quantize_x(x2, recipe)
+    x_rows, x_cols = _quantize_x(x2, recipe, axis_name)
     w_along_k, w_along_n = _quantize_w(w, recipe)
     if recipe.fprop:
         out = matmul(x_rows, w_along_k, out_dtype=jnp.float32)[:tokens]
@@ -171,11 +242,11 @@ def _dot2_fwd(x2, w, words, recipe, dtypes):
     return out, residuals
 
 
-def _dot2_bwd(recipe, dtypes, residuals, dy):
-    in_dtype, _ = dtypes
+def _dot2_bwd(recipe, static, residuals, dy):
+    in_dtype, _, axis_name = static
     x_saved, w_saved, words = residuals
     tokens = dy.shape[0]
-    dy_rows, dy_cols = _quantize_dy(dy, words, recipe)
+    dy_rows, dy_cols = _quantize_dy(dy, words, recipe, axis_name)
     if recipe.dgrad:
         dx = matmul(dy_rows, w_saved, out_dtype=jnp.float32)[:tokens]
     else:
@@ -197,6 +268,7 @@ def dot(
     key: jax.Array | None = None,
     recipe: Recipe = NVFP4,
     preferred_element_type=None,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """y = x . w with the NVFP4 training recipe in its forward and backward pass.
 
@@ -208,6 +280,15 @@ def dot(
       recipe: a ``Recipe``; presets NVFP4, NVFP4_NO_RHT, NVFP4_NO_SR, BF16.
 
       preferred_element_type: output dtype (default: x's dtype).
+      axis_name: inside ``shard_map``, the mesh axis (or axes, major first)
+        over which x's tokens (its leading axes, flattened) are sharded, in
+        equal shards of a multiple of 16 tokens. The amaxes of x and dY are
+        then reduced over those axes and stochastic rounding follows the
+        global token index, so every shard quantizes exactly as one device
+        would; dw is this shard's partial sum (reduce it, e.g. by gathering
+        w with ``all_gather``, whose transpose reduce-scatters). Under plain
+        ``jit`` with shardings leave it None: the primitives partition
+        themselves.
 
     Returns:
       [..., N]; gradients flow to x and w (float32 accumulation).
@@ -237,8 +318,12 @@ def dot(
         )
     words = key_words(key, recipe.needs_key, 0)
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
-    dtypes = (jnp.dtype(x.dtype), jnp.dtype(preferred_element_type or x.dtype))
-    return _dot2(x2, w, words, recipe, dtypes).reshape(*x.shape[:-1], n)
+    static = (
+        jnp.dtype(x.dtype),
+        jnp.dtype(preferred_element_type or x.dtype),
+        tuple(_axis_names(axis_name)) or None,
+    )
+    return _dot2(x2, w, words, recipe, static).reshape(*x.shape[:-1], n)
 
 
 def dot_general(
@@ -250,6 +335,7 @@ def dot_general(
     *,
     recipe: Recipe = NVFP4,
     key: jax.Array | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
     out_sharding=None,
     **kwargs,
 ) -> jax.Array:
@@ -259,7 +345,8 @@ def dot_general(
     rhs [K, N] on axis 0, no batch dimensions; others raise. ``precision`` is
     accepted and ignored (the GEMMs are NVFP4); ``preferred_element_type`` sets
     the output dtype; ``out_sharding`` is applied as a sharding constraint.
-    Bind ``recipe`` and ``key`` with functools.partial.
+    Bind ``recipe``, ``key`` (and ``axis_name`` inside shard_map; see
+    ``dot``) with functools.partial.
     """
     del precision
     if kwargs:
@@ -279,7 +366,12 @@ def dot_general(
             f"{lhs.shape} and {rhs.shape}"
         )
     out = dot(
-        lhs, rhs, key=key, recipe=recipe, preferred_element_type=preferred_element_type
+        lhs,
+        rhs,
+        key=key,
+        recipe=recipe,
+        preferred_element_type=preferred_element_type,
+        axis_name=axis_name,
     )
     if out_sharding is not None:
         out = jax.lax.with_sharding_constraint(out, out_sharding)

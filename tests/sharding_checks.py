@@ -1,0 +1,206 @@
+"""Sharded NVFP4 against one device, on 8 virtual CPU devices.
+
+Run by tests/test_sharding.py in a subprocess (XLA_FLAGS must be set before
+JAX starts); prints one JSON object of results. Every tensor has an outlier
+in one shard only, so a per-shard amax would show in the bytes.
+"""
+
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_nvfp4 as nv  # noqa: E402
+
+try:
+    from jax import shard_map
+except ImportError:  # older JAX
+    from jax.experimental.shard_map import shard_map
+
+KEY = jax.random.key(7)
+results: dict = {"devices": len(jax.devices())}
+
+
+def mesh_2d():
+    return jax.make_mesh((4, 2), ("data", "model"))
+
+
+def mesh_1d():
+    return jax.make_mesh((8,), ("data",))
+
+
+def put(a, mesh, spec):
+    return jax.device_put(a, NamedSharding(mesh, spec))
+
+
+def as_bytes(leaves):
+    out = []
+    for leaf in leaves:
+        a = np.asarray(leaf)
+        out.append(a.view(np.uint8) if a.dtype.itemsize == 1 else a)
+    return out
+
+
+def gathers(compiled_text):
+    """Result types of every all-gather in the compiled HLO."""
+    types = []
+    for line in compiled_text.splitlines():
+        if re.search(r"= .*all-gather(-start)?\(", line):
+            types.append(line.split("=", 1)[1].split()[0])
+    return types
+
+
+# --- quantize: bytes under sharding == one device ---------------------------
+
+
+def quantize_all(x):
+    r, c = nv.quantize_rowwise_and_columnwise(
+        x,
+        row_rounding="stochastic",
+        col_rounding="stochastic",
+        col_rht=True,
+        key=KEY,
+    )
+    w2d = nv.quantize(x, 0, block="16x16")
+    sr_cols = nv.quantize(x, 0, rounding="stochastic", rht=True, key=KEY, stream=3)
+    deq = nv.dequantize(r, jnp.float32)
+    return [
+        r.codes,
+        r.scales,
+        r.amax,
+        c.codes,
+        c.scales,
+        c.amax,
+        w2d.codes,
+        w2d.scales,
+        sr_cols.codes,
+        sr_cols.scales,
+        deq,
+    ]
+
+
+x = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
+x = x.at[3, 5].set(100.0)
+reference = as_bytes(jax.jit(quantize_all)(x))
+quantize_cases = {
+    "rows over 8": (mesh_1d(), P("data", None)),
+    "cols over 8": (mesh_1d(), P(None, "data")),
+    "2d 4x2": (mesh_2d(), P("data", "model")),
+    "2d transposed": (mesh_2d(), P("model", "data")),
+    "rows over both": (mesh_2d(), P(("data", "model"), None)),
+}
+results["quantize"] = {}
+for name, (mesh, spec) in quantize_cases.items():
+    f = jax.jit(quantize_all)
+    xs = put(x, mesh, spec)
+    got = as_bytes(f(xs))
+    equal = all(np.array_equal(a, b) for a, b in zip(reference, got, strict=True))
+    results["quantize"][name] = {
+        "bytes_equal": equal,
+        "all_gathers": gathers(f.lower(xs).compile().as_text()),
+        "out_spec": str(f(xs)[0].sharding.spec),
+    }
+
+# --- a sharding that splits a block: a clear error ---------------------------
+
+try:
+    bad = put(jnp.ones((64, 48), jnp.float32), mesh_2d(), P(None, "model"))
+    jax.jit(lambda a: nv.quantize(a).codes)(bad)
+    results["split_block_error"] = ""
+except Exception as e:  # noqa: BLE001 -- the message is what is checked
+    results["split_block_error"] = str(e)[-2000:]
+
+# --- dot: outputs and gradients under jit shardings --------------------------
+
+T, K, N = 128, 128, 96
+xd = jax.random.normal(jax.random.key(1), (T, K), jnp.float32).at[3, 5].set(60.0)
+wd = jax.random.normal(jax.random.key(2), (K, N), jnp.float32) * 0.1
+
+
+def loss(x, w):
+    y = nv.dot(x, w, key=KEY)
+    return jnp.sum(y * jnp.cos(y)), y
+
+
+step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+(_, y0), (dx0, dw0) = jax.jit(step)(xd, wd)
+
+
+def max_rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+dot_cases = {
+    "data parallel": (mesh_1d(), P("data", None), P()),
+    "tensor parallel (column)": (mesh_2d(), P(None, None), P(None, "model")),
+    "tensor parallel (row)": (mesh_2d(), P(None, "model"), P("model", None)),
+    "data + tensor 2d": (mesh_2d(), P("data", None), P(None, "model")),
+    "fsdp (jit)": (mesh_1d(), P("data", None), P("data", None)),
+}
+results["dot"] = {}
+for name, (mesh, xspec, wspec) in dot_cases.items():
+    f = jax.jit(step)
+    xs, ws = put(xd, mesh, xspec), put(wd, mesh, wspec)
+    (_, y1), (dx1, dw1) = f(xs, ws)
+    results["dot"][name] = {
+        "y": max_rel(y1, y0),
+        "dx": max_rel(dx1, dx0),
+        "dw": max_rel(dw1, dw0),
+        "all_gathers": gathers(f.lower(xs, ws).compile().as_text()),
+    }
+
+# --- shard_map FSDP: w gathered per layer, tokens sharded, axis_name ----------
+
+mesh = mesh_1d()
+
+
+def fsdp_loss(x, w_shard):
+    w = jax.lax.all_gather(w_shard, "data", axis=0, tiled=True)
+    y = nv.dot(x, w, key=KEY, axis_name="data")
+    return jax.lax.psum(jnp.sum(y * jnp.cos(y)), "data"), y
+
+
+fsdp = shard_map(
+    fsdp_loss,
+    mesh=mesh,
+    in_specs=(P("data", None), P("data", None)),
+    out_specs=(P(), P("data", None)),
+)
+f = jax.jit(jax.value_and_grad(fsdp, argnums=(0, 1), has_aux=True))
+xs, ws = put(xd, mesh, P("data", None)), put(wd, mesh, P("data", None))
+(_, y1), (dx1, dw1) = f(xs, ws)
+results["shard_map fsdp"] = {
+    "y": max_rel(y1, y0),
+    "dx": max_rel(dx1, dx0),
+    "dw": max_rel(dw1, dw0),
+    "dw_spec": str(dw1.sharding.spec),
+    "all_gathers": gathers(f.lower(xs, ws).compile().as_text()),
+}
+
+
+# The quantized bytes inside shard_map with axis_name == one device's.
+def per_shard(xs):
+    amax = jax.lax.pmax(nv.global_amax(xs), "data")
+    t = nv.quantize(xs, amax=amax)
+    return t.codes, jax.lax.bitcast_convert_type(t.scales, jnp.uint8)
+
+
+codes, scales = jax.jit(
+    shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+)(put(x, mesh, P("data", None)))
+one = nv.quantize(x)
+results["shard_map quantize bytes_equal"] = bool(
+    np.array_equal(codes, one.codes)
+    and np.array_equal(scales, jax.lax.bitcast_convert_type(one.scales, jnp.uint8))
+)
+
+json.dump(results, sys.stdout)
