@@ -78,3 +78,58 @@ def test_sr_values_are_grid_neighbours():
     scale = jnp.repeat(nv.quantize(x).scales.astype(jnp.float32), 16, axis=1)
     step = scale * nv.quantize(x).amax / 2688.0 * 2.0
     assert bool(jnp.all(jnp.abs(sr - rn) <= step + 1e-6))
+
+
+def _raw(a):
+    return np.asarray(a).view(np.uint8)
+
+
+def _quantize_block(ops, x3, origin, global_mk, amaxes, words):
+    """Both quantizations (SR, RHT on the column-wise one) of x3 [b, m, k]
+    placed at `origin` in a tensor of global (m, k)."""
+    return ops.quantize_rows_cols(
+        x3,
+        amaxes[0].reshape(1),
+        amaxes[1].reshape(1),
+        words,
+        jnp.asarray(origin, jnp.int32),
+        global_m=global_mk[0],
+        global_k=global_mk[1],
+        row_tile_rows=1,
+        row_stochastic=True,
+        row_rht=False,
+        row_stream=0,
+        col_tile_rows=1,
+        col_stochastic=True,
+        col_rht=True,
+        col_stream=1,
+    )
+
+
+def test_a_shard_draws_the_bits_of_its_place_in_the_whole_tensor():
+    """What a partitioned call does per shard: quantizing a block placed at
+    an origin (the handler's origin operand) gives exactly the bytes of that
+    block of the whole tensor's quantization, on every backend."""
+    from jax_nvfp4 import primitives, reference
+
+    x = jax.random.normal(jax.random.key(4), (2, 64, 96), jnp.bfloat16)
+    words = jax.random.key_data(jax.random.key(9)).reshape(1, 2)
+    amaxes = (jnp.float32(4.5), jnp.float32(6.0))
+    whole = _quantize_block(primitives, x, (0, 0, 0), (64, 96), amaxes, words)
+    # Batch item 1, rows 16:48, columns 32:64.
+    block = x[1:2, 16:48, 32:64]
+    expected = (
+        whole[0][1:2, 16:48, 16:32],  # row codes [b, m, k/2]
+        whole[1][1:2, 16:48, 2:4],  # row scales [b, m, k/16]
+        whole[2][1:2, 32:64, 8:24],  # column codes [b, k, m/2]
+        whole[3][1:2, 32:64, 1:3],  # column scales [b, k, m/16]
+    )
+    for ops in (primitives, reference):
+        got = jax.jit(functools.partial(_quantize_block, ops), static_argnums=(2,))(
+            block, (1, 16, 32), (64, 96), amaxes, words
+        )
+        for e, g in zip(expected, got, strict=True):
+            np.testing.assert_array_equal(_raw(e), _raw(g))
+    # And the block's own quantization (origin 0) draws different bits.
+    alone = _quantize_block(primitives, block, (0, 0, 0), (32, 32), amaxes, words)
+    assert np.mean(np.asarray(alone[0]) != np.asarray(expected[0])) > 0.1
