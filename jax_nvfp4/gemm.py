@@ -5,8 +5,9 @@
 float32 accumulation. Backends: the CPU handler (exact products, sum over k in
 order); on CUDA GPUs without FP4 tensor cores (Hopper) the operands are
 decoded to bfloat16 -- e2m1 times an E4M3 scale is exact there -- and
-multiplied by XLA's bf16 GEMM with float32 accumulation, alpha applied after.
-The native Blackwell path (cuBLASLt block-scaled FP4) is not built yet.
+multiplied by a bf16 GEMM with float32 accumulation, alpha applied after; on
+Blackwell (sm_100+) cuBLASLt's block-scaled FP4 GEMM (``jax_nvfp4.blackwell``;
+compiled, not yet run on Blackwell hardware).
 """
 
 from __future__ import annotations
