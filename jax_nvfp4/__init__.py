@@ -4,10 +4,12 @@ Quantization follows NVIDIA Transformer Engine's NVFP4BlockScaling recipe:
 E2M1 values in blocks of 16 with an E4M3 scale per block and a float32 scale
 per tensor, optional 16x16 (2D) blocks, Random Hadamard Transform and
 stochastic rounding. The work is done by XLA FFI custom calls on CPU and CUDA;
-``jax_nvfp4.reference`` is the pure-JAX twin of every handler.
+``jax_nvfp4.reference`` is the pure-JAX twin of every handler. Integrations:
+``jax_nvfp4.flax`` (linen and NNX) and ``jax_nvfp4.equinox``, with layer
+selection by ``jax_nvfp4.policy``.
 """
 
-from jax_nvfp4 import reference
+from jax_nvfp4 import policy, reference
 from jax_nvfp4._ffi_registry import available_platforms
 from jax_nvfp4.format import (
     BLOCK_SIZE,
@@ -56,5 +58,6 @@ __all__ = [
     "matmul",
     "quantize",
     "quantize_rowwise_and_columnwise",
+    "policy",
     "reference",
 ]

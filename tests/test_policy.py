@@ -1,0 +1,134 @@
+"""The precision policy: path normalisation, rule order, defaults, errors."""
+
+import jax
+import pytest
+
+from jax_nvfp4 import NVFP4, NVFP4_NO_RHT, Recipe
+from jax_nvfp4.policy import Policy, path_string, transformer_policy
+
+WGRAD_BF16 = Recipe(wgrad=False)
+
+
+def test_path_string_names_and_indices():
+    assert path_string(("layers", 3, "mlp", "up_proj")) == "layers.3.mlp.up_proj"
+    assert path_string(()) == ""
+    assert path_string(["lm_head"]) == "lm_head"
+
+
+def test_path_string_from_jax_tree_paths():
+    tree = {"blocks": [{"ffn": 1}, {"ffn": 2}]}
+    paths = [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert paths == ["blocks.0.ffn", "blocks.1.ffn"]
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, None])
+def test_path_string_rejects_other_entries(bad):
+    with pytest.raises(TypeError, match="path entries"):
+        path_string(("layers", bad))
+
+
+def test_transformer_policy_defaults():
+    policy = transformer_policy(4)
+    for block in range(3):
+        for name in ("mlp.up_proj", "mlp.gate_proj", "mlp.down_proj"):
+            assert policy.recipe_for(f"layers.{block}.{name}") is NVFP4
+        for name in ("attn.q_proj", "attention.o_proj", "self_attn.k_proj"):
+            assert policy.recipe_for(f"layers.{block}.{name}") is None
+    # The last block stays bf16 entirely, MLP included.
+    assert policy.recipe_for("layers.3.mlp.up_proj") is None
+    for path in ("embed", "tok_embeddings", "lm_head", "norm", "final_norm"):
+        assert policy.recipe_for(path) is None
+
+
+def test_transformer_policy_patterns_recipe_and_keep_last():
+    policy = transformer_policy(
+        6, recipe=NVFP4_NO_RHT, keep_last=2, nvfp4_patterns=("*feed_forward.w?",)
+    )
+    assert policy.recipe_for("model.blocks.3.feed_forward.w1") is NVFP4_NO_RHT
+    assert policy.recipe_for("model.blocks.4.feed_forward.w1") is None
+    assert policy.recipe_for("model.blocks.5.feed_forward.w1") is None
+    assert policy.recipe_for("model.blocks.3.feed_forward.proj") is None
+    assert policy.recipe_for("h.0.feed_forward.w2") is NVFP4_NO_RHT
+    assert transformer_policy(3, keep_last=0).recipe_for("h.2.mlp.fc") is NVFP4
+
+
+def test_first_matching_rule_wins_and_none_excludes():
+    policy = Policy(
+        rules=(
+            ("*.mlp.down_proj", WGRAD_BF16),  # per-GEMM override
+            ("layers.0.*", None),  # exclude block 0
+            ("*mlp*", NVFP4),
+        ),
+        default=NVFP4_NO_RHT,
+    )
+    assert policy.recipe_for("layers.0.mlp.down_proj") is WGRAD_BF16
+    assert policy.recipe_for("layers.0.mlp.up_proj") is None
+    assert policy.recipe_for("layers.1.mlp.up_proj") is NVFP4
+    assert policy.recipe_for("layers.1.attn.q_proj") is NVFP4_NO_RHT
+    # Globs match the whole path, case sensitively.
+    assert Policy(rules=(("mlp", NVFP4),)).recipe_for("layers.0.mlp.fc") is None
+    assert Policy(rules=(("*MLP*", NVFP4),)).recipe_for("layers.0.mlp.fc") is None
+
+
+def test_keep_last_overrides_rules_and_default():
+    policy = Policy(rules=(("*", NVFP4),), default=NVFP4, keep_last=1, num_layers=2)
+    assert policy.recipe_for("layers.0.mlp") is NVFP4
+    assert policy.recipe_for("layers.1.mlp") is None
+    assert policy.recipe_for("lm_head") is NVFP4  # not in a block
+
+
+def test_block_pattern():
+    policy = Policy(
+        default=NVFP4, keep_last=1, num_layers=3, block_pattern=r"^stage(\d+)\."
+    )
+    assert policy.block_index("stage2.fc") == 2
+    assert policy.block_index("layers.2.fc") is None
+    assert policy.recipe_for("stage2.fc") is None
+    assert policy.recipe_for("stage1.fc") is NVFP4
+    default = Policy()
+    assert default.block_index("decoder.layers.12.mlp") == 12
+    assert default.block_index("blocks.7") == 7
+    assert default.block_index("h.3.attn") == 3
+    assert default.block_index("layers_3.mlp") is None
+    assert default.block_index("mylayers.3.mlp") is None
+
+
+def test_assign_and_value_semantics():
+    policy = Policy(rules=[("*mlp*", NVFP4)])  # a list is normalised to a tuple
+    assert policy.rules == (("*mlp*", NVFP4),)
+    assert policy == Policy(rules=(("*mlp*", NVFP4),))
+    assert hash(policy) == hash(Policy(rules=(("*mlp*", NVFP4),)))
+    assert policy.assign(["a.mlp", "a.attn"]) == {"a.mlp": NVFP4, "a.attn": None}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"keep_last": 1}, ValueError, "needs num_layers"),
+        ({"keep_last": -1, "num_layers": 2}, ValueError, "keep_last must be"),
+        ({"rules": (("*mlp*",),)}, TypeError, "pair"),
+        ({"rules": ((3, NVFP4),)}, TypeError, "pair"),
+        ({"rules": (("*mlp*", "nvfp4"),)}, TypeError, "pair"),
+        ({"default": "nvfp4"}, TypeError, "default must be"),
+        ({"block_pattern": r"layers\.(\d+"}, ValueError, "not a regular"),
+        ({"block_pattern": r"layers\.\d+"}, ValueError, "needs a group"),
+    ],
+)
+def test_invalid_policies(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Policy(**kwargs)
+
+
+def test_block_index_beyond_num_layers_raises():
+    policy = transformer_policy(2)
+    with pytest.raises(ValueError, match="num_layers=2"):
+        policy.recipe_for("layers.5.mlp.up_proj")
+    with pytest.raises(TypeError, match="path_string"):
+        policy.recipe_for(("layers", 0))
+
+
+def test_transformer_policy_errors():
+    with pytest.raises(ValueError, match="exceeds num_layers"):
+        transformer_policy(2, keep_last=3)
+    with pytest.raises(TypeError, match="sequence of globs"):
+        transformer_policy(2, nvfp4_patterns="*mlp*")
