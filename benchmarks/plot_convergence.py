@@ -28,7 +28,10 @@ TOLERANCE = 0.015  # the issue's bound: nvfp4 final loss within 1.5% of bf16
 
 
 def _finite(rows) -> bool:
-    return all(math.isfinite(float(r["loss"])) for r in rows)
+    return all(
+        math.isfinite(float(r["loss"])) and math.isfinite(float(r["train_loss"]))
+        for r in rows
+    )
 
 
 def summarize_dir(directory: str, last: int) -> list[dict]:
@@ -67,7 +70,7 @@ def table(runs: list[dict], last: int) -> str:
             f"| {r['precision']} | {r['steps']} | {r['train_loss']:.4f} | "
             f"{r['eval_loss']:.4f} | {pct(r['train_loss_vs_bf16'])} | "
             f"{pct(r['eval_loss_vs_bf16'])} | {'yes' if r['finite'] else 'NO'} | "
-            f"{r['step_ms']:.1f} | {r['tflops_per_device']:.1f} | "
+            f"{r['step_ms']:.1f} | {r['tflops_per_device']:.3g} | "
             f"{r['tokens_per_s_per_device']:,.0f} |"
         )
     nvfp4 = next((r for r in runs if r["precision"] == "nvfp4"), None)
