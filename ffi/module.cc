@@ -4,8 +4,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "cublaslt_plan.h"
+#include "fp4_gemm_plan.h"
 #include "scale_layout.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -22,6 +25,12 @@ XLA_FFI_Error* JaxNvfp4QuantizeColsCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4QuantizeRowsColsCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4AmaxCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4DequantizeCuda(XLA_FFI_CallFrame*);
+#endif
+#ifdef JAX_NVFP4_WITH_CUBLASLT
+XLA_FFI_Error* JaxNvfp4MatmulBf16Cuda(XLA_FFI_CallFrame*);
+#endif
+#ifdef JAX_NVFP4_WITH_BLACKWELL_GEMM
+XLA_FFI_Error* JaxNvfp4MatmulFp4Sm100Cuda(XLA_FFI_CallFrame*);
 #endif
 }
 
@@ -58,6 +67,71 @@ NB_MODULE(_ffi, m) {
     }
     return offsets;
   });
+  // The argument checks of the Blackwell FP4 GEMM handler, for CPU tests of
+  // jax_nvfp4.blackwell.native_operands: the handler's per-item strides, or
+  // ValueError with the handler's message.
+  m.def(
+      "plan_fp4_gemm",
+      [](std::vector<int64_t> a_codes, std::vector<int64_t> a_scales,
+         std::vector<int64_t> a_amax, std::vector<int64_t> b_codes,
+         std::vector<int64_t> b_scales, std::vector<int64_t> b_amax,
+         std::vector<int64_t> out, std::vector<int64_t> workspace) {
+        jax_nvfp4::Fp4GemmPlan p;
+        const std::string error =
+            jax_nvfp4::PlanFp4Gemm(a_codes, a_scales, a_amax, b_codes, b_scales,
+                                   b_amax, out, workspace, &p);
+        if (!error.empty()) throw nb::value_error(error.c_str());
+        nb::dict d;
+        d["batch"] = p.batch;
+        d["m"] = p.m;
+        d["n"] = p.n;
+        d["k"] = p.k;
+        d["a_codes_stride"] = p.a_codes_stride;
+        d["b_codes_stride"] = p.b_codes_stride;
+        d["a_scales_stride"] = p.a_scales_stride;
+        d["b_scales_stride"] = p.b_scales_stride;
+        d["out_stride"] = p.out_stride;
+        d["a_amax_stride"] = p.a_amax_stride;
+        d["b_amax_stride"] = p.b_amax_stride;
+        d["workspace_head_bytes"] = p.workspace_head_bytes;
+        d["workspace_bytes"] = p.workspace_bytes;
+        return d;
+      },
+      nb::arg("a_codes"), nb::arg("a_scales"), nb::arg("a_amax"),
+      nb::arg("b_codes"), nb::arg("b_scales"), nb::arg("b_amax"),
+      nb::arg("out"), nb::arg("workspace"));
+  // The argument checks and call plan of the cuBLASLt bf16 GEMM handler, for
+  // CPU tests: the handler's strides and cublasLtMatmul calls, or ValueError
+  // with the handler's message.
+  m.def(
+      "plan_bf16_gemm",
+      [](std::vector<int64_t> a, std::vector<int64_t> b,
+         std::vector<int64_t> a_amax, std::vector<int64_t> b_amax,
+         std::vector<int64_t> out, std::vector<int64_t> workspace) {
+        jax_nvfp4::Bf16GemmPlan p;
+        const std::string error =
+            jax_nvfp4::PlanBf16Gemm(a, b, a_amax, b_amax, out, workspace, &p);
+        if (!error.empty()) throw nb::value_error(error.c_str());
+        nb::dict d;
+        d["batch"] = p.batch;
+        d["m"] = p.m;
+        d["n"] = p.n;
+        d["k"] = p.k;
+        d["a_stride"] = p.a_stride;
+        d["b_stride"] = p.b_stride;
+        d["out_stride"] = p.out_stride;
+        d["a_amax_stride"] = p.a_amax_stride;
+        d["b_amax_stride"] = p.b_amax_stride;
+        d["alphas"] = p.alphas;
+        d["calls"] = p.calls;
+        d["call_batch"] = p.call_batch;
+        d["call_m"] = p.call_m;
+        d["workspace_head_bytes"] = p.workspace_head_bytes;
+        d["workspace_bytes"] = p.workspace_bytes;
+        return d;
+      },
+      nb::arg("a"), nb::arg("b"), nb::arg("a_amax"), nb::arg("b_amax"),
+      nb::arg("out"), nb::arg("workspace"));
   m.def("cuda_registrations", []() {
     nb::dict d;
 #ifdef JAX_NVFP4_WITH_CUDA
@@ -66,6 +140,12 @@ NB_MODULE(_ffi, m) {
     d["jax_nvfp4_quantize_rows_cols"] = Capsule(JaxNvfp4QuantizeRowsColsCuda);
     d["jax_nvfp4_amax"] = Capsule(JaxNvfp4AmaxCuda);
     d["jax_nvfp4_dequantize"] = Capsule(JaxNvfp4DequantizeCuda);
+#endif
+#ifdef JAX_NVFP4_WITH_CUBLASLT
+    d["jax_nvfp4_matmul_bf16"] = Capsule(JaxNvfp4MatmulBf16Cuda);
+#endif
+#ifdef JAX_NVFP4_WITH_BLACKWELL_GEMM
+    d["jax_nvfp4_matmul_fp4_sm100"] = Capsule(JaxNvfp4MatmulFp4Sm100Cuda);
 #endif
     return d;
   });

@@ -1,18 +1,86 @@
-"""Host-side pieces of the Blackwell (sm_100+) block-scaled FP4 GEMM.
+"""The native Blackwell (sm_100+) block-scaled FP4 GEMM: host-side logic.
 
-cuBLASLt's VEC16_UE4M3 block scaling wants each operand's [rows, K/16] E4M3
-scales padded to multiples of 128 rows and 4 columns and stored in 128x4 tiles
-with the four 32-row bands interleaved (``ffi/scale_layout.h`` is the C++
-twin). The GEMM handler that uses it is not written yet; nothing here has run
-on Blackwell hardware.
+On GPUs with FP4 tensor cores (compute capability 10.0 and newer) the matmul
+primitive can run as one cuBLASLt block-scaled FP4 GEMM per batch item,
+through the FFI target ``jax_nvfp4_matmul_fp4_sm100`` (``ffi/blackwell_gemm.cu``).
+This module prepares its operands with plain, traceable JAX:
+
+* ``native_operands``: codes padded with zeros to the handler's tiles, and
+  block scales swizzled into cuBLASLt's VEC16_UE4M3 layout.
+* ``matmul_native``: operands -> custom call -> the result sliced back.
+* ``native_fp4_supported``: whether to use it (decided at lowering time by
+  ``jax_nvfp4.cuda_gemm.matmul_cuda``, the matmul primitive's CUDA lowering,
+  which uses a bf16 GEMM on other GPUs).
+
+The handler's contract (checked by ``ffi/fp4_gemm_plan.h``): for every batch
+item, ``out[m, n] = alpha * sum_k e2m1(a[m,k]) s_a[m,k/16] e2m1(b[n,k])
+s_b[n,k/16]`` with float32 accumulation, where M and N are multiples of 128
+and K of 64. The handler computes alpha = (amax_a / 2688) * (amax_b / 2688)
+itself from the float32 amaxes (one per batch item, or one for all), with IEEE
+division as the CPU handler does: in XLA, a division by the constant 2688
+becomes a multiplication by its (inexact) reciprocal and can differ in the last
+bit. Padding is exact: padded codes and scales
+are zero, so padded K contributes 0 * 0, and padded rows and columns of the
+output are sliced off.
+
+Why these tiles (sources: the cuBLAS documentation, cublasLtMatmul, "1D Block
+Scaling Factors Layout" and "Tensor Core Usage"): block-scaled FP4 is TN only,
+its scale tensors are laid out in tiles of 128 rows x 4 scale columns
+(= 64 elements of K) padded with zeros, and the FP4 operands need 16-byte
+aligned leading dimensions (K a multiple of 32). Padding the codes to whole
+scale tiles (rows to 128, K to 64) satisfies all of these and makes every byte
+cuBLASLt may read defined; it costs nothing for the usual shapes (tokens and
+features multiples of 128). Scales must be non-negative (cuBLASLt reads them as
+unsigned UE4M3); the quantizers never set the sign bit.
+
+What has NOT run on Blackwell hardware (none was available; the project's GPU
+is a Hopper H200): everything in ``ffi/blackwell_gemm.cu`` -- loading
+libcublasLt at run time, cuBLASLt accepting the descriptors (CUDA_R_4F_E2M1,
+VEC16_UE4M3 on A and B, CUBLASLT_POINTER_MODE_DEVICE, bf16 and float32
+outputs), its heuristic returning an algorithm for these problems, the
+swizzled scale layout as the hardware reads it, the alpha kernel, the batch
+loop, and the speed. What is tested, on CPU: the padding, the swizzle (against
+its definition and the C++ offsets), the handler's shape checks (through
+``jax_nvfp4._ffi.plan_fp4_gemm``), the custom call's operands, a float64
+emulation of the handler's contract against ``jax_nvfp4.reference.matmul``,
+and that the handler compiles for sm_90a and sm_100a. Setting
+``JAX_NVFP4_NATIVE_GEMM=0`` turns the native path off (the bf16 GEMM is used);
+``JAX_NVFP4_CUBLASLT=/path/libcublasLt.so.13`` picks the library to load.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["swizzle_scales"]
+from jax_nvfp4 import _ffi_registry
+from jax_nvfp4.format import BLOCK_SIZE
+
+__all__ = [
+    "NativeOperands",
+    "matmul_native",
+    "native_fp4_supported",
+    "native_operands",
+    "swizzle_scales",
+    "workspace_bytes",
+]
+
+TARGET = "jax_nvfp4_matmul_fp4_sm100"
+ROW_TILE = 128  # M and N padding: the rows of one scale tile
+K_TILE = 64  # K padding: the 4 scale columns of one scale tile
+# cuBLASLt workspace: 32 MiB, the size the cuBLAS documentation recommends for
+# Hopper and newer (cublasSetWorkspace).
+WORKSPACE_BYTES = 32 * 1024 * 1024
+_DISABLE = ("0", "false", "off", "no")
+
+
+def _round_up(v: int, multiple: int) -> int:
+    return -(-v // multiple) * multiple
 
 
 def swizzle_scales(scales: jax.Array) -> jax.Array:
@@ -24,9 +92,205 @@ def swizzle_scales(scales: jax.Array) -> jax.Array:
     if scales.ndim != 2:
         raise ValueError(f"scales must be [rows, K/16], got shape {scales.shape}")
     rows, cols = scales.shape
-    padded_rows, padded_cols = -(-rows // 128) * 128, -(-cols // 4) * 4
+    padded_rows, padded_cols = _round_up(rows, 128), _round_up(cols, 4)
     raw = jax.lax.bitcast_convert_type(scales, jnp.uint8)
     raw = jnp.pad(raw, ((0, padded_rows - rows), (0, padded_cols - cols)))
     # [row tile, i (32-row band), j, col tile, c] -> [row tile, col tile, j, i, c]
     tiles = raw.reshape(padded_rows // 128, 4, 32, padded_cols // 4, 4)
     return tiles.transpose(0, 3, 2, 1, 4).reshape(-1)
+
+
+def workspace_bytes(batch: int) -> int:
+    """Size of the handler's workspace result: a head with beta and one alpha
+    per batch item, 256-byte aligned (ffi/fp4_gemm_plan.h), then cuBLASLt's."""
+    return _round_up(4 * (1 + batch), 256) + WORKSPACE_BYTES
+
+
+class NativeOperands(NamedTuple):
+    """The operands of the ``jax_nvfp4_matmul_fp4_sm100`` custom call.
+
+    a_codes: uint8 [batch, Mp, Kp/2]; a_scales: uint8 [batch, Mp*Kp/16]
+    (swizzled); a_amax: float32 [1 or batch]; b_codes: uint8 [1 or batch, Np,
+    Kp/2]; b_scales: uint8 [1 or batch, Np*Kp/16]; b_amax: float32 [1 or b's
+    batch]. ``m`` and ``n`` are the unpadded sizes to slice the [batch, Mp, Np]
+    result back to.
+    """
+
+    a_codes: jax.Array
+    a_scales: jax.Array
+    a_amax: jax.Array
+    b_codes: jax.Array
+    b_scales: jax.Array
+    b_amax: jax.Array
+    m: int
+    n: int
+
+
+def _check_operands(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax):
+    for name, codes, scales in (
+        ("a", a_codes, a_scales),
+        ("b", b_codes, b_scales),
+    ):
+        if codes.ndim != 3 or codes.dtype != jnp.uint8:
+            raise TypeError(
+                f"{name}_codes must be uint8 [batch, rows, K/2], got "
+                f"{codes.dtype} {codes.shape}"
+            )
+        want = (*codes.shape[:2], 2 * codes.shape[2] // BLOCK_SIZE)
+        if scales.dtype != jnp.float8_e4m3fn or scales.shape != want:
+            raise TypeError(
+                f"{name}_scales must be float8_e4m3fn {want} (one per 16 codes), "
+                f"got {scales.dtype} {scales.shape}"
+            )
+    batch, _, half = a_codes.shape
+    b_batch = b_codes.shape[0]
+    if b_codes.shape[2] != half or (2 * half) % BLOCK_SIZE:
+        raise ValueError(
+            f"a has K={2 * half} and b K={2 * b_codes.shape[2]}; both must be "
+            "the same multiple of 16"
+        )
+    if b_batch not in (1, batch):
+        raise ValueError(f"b's batch must be 1 or a's ({batch}), got {b_batch}")
+    for name, amax, count in (("a", a_amax, batch), ("b", b_amax, b_batch)):
+        if np.size(amax) not in (1, count):
+            raise ValueError(
+                f"{name}_amax must have 1 or {count} (its batch) values, got "
+                f"shape {np.shape(amax)}"
+            )
+
+
+def native_operands(
+    a_codes: jax.Array,
+    a_scales: jax.Array,
+    a_amax: jax.Array,
+    b_codes: jax.Array,
+    b_scales: jax.Array,
+    b_amax: jax.Array,
+) -> NativeOperands:
+    """Pads the codes and swizzles the scales for the native FP4 GEMM.
+
+    Takes the matmul primitive's operands: a_codes uint8 [batch, M, K/2] (even
+    element in the low nibble), a_scales float8_e4m3fn [batch, M, K/16],
+    a_amax float32 [1 or batch], and b likewise with N rows and a batch of 1
+    or batch. M, N are any sizes and K any multiple of 16.
+    """
+    _check_operands(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax)
+    _, m, half = a_codes.shape
+    n = b_codes.shape[1]
+    k = 2 * half
+    mp, np_, kp = _round_up(m, ROW_TILE), _round_up(n, ROW_TILE), _round_up(k, K_TILE)
+
+    def pad_codes(codes, rows):
+        return jnp.pad(codes, ((0, 0), (0, rows - codes.shape[1]), (0, (kp - k) // 2)))
+
+    # swizzle_scales pads each item's [rows, K/16] to [round_up(rows, 128),
+    # round_up(K/16, 4)] = [rows padded, Kp/16]: the padded codes' scales.
+    swizzle = jax.vmap(swizzle_scales)
+    return NativeOperands(
+        a_codes=pad_codes(a_codes, mp),
+        a_scales=swizzle(a_scales),
+        a_amax=jnp.asarray(a_amax, jnp.float32).reshape(-1),
+        b_codes=pad_codes(b_codes, np_),
+        b_scales=swizzle(b_scales),
+        b_amax=jnp.asarray(b_amax, jnp.float32).reshape(-1),
+        m=m,
+        n=n,
+    )
+
+
+def _call_handler(ops: NativeOperands, dtype: np.dtype) -> jax.Array:
+    """The custom call: [batch, Mp, Np] of dtype (the workspace is dropped)."""
+    batch, mp = ops.a_codes.shape[:2]
+    np_ = ops.b_codes.shape[1]
+    out, _ = jax.ffi.ffi_call(
+        TARGET,
+        (
+            jax.ShapeDtypeStruct((batch, mp, np_), dtype),
+            jax.ShapeDtypeStruct((workspace_bytes(batch),), jnp.uint8),
+        ),
+    )(*ops[:6])
+    return out
+
+
+def matmul_native(
+    a_codes: jax.Array,
+    a_scales: jax.Array,
+    a_amax: jax.Array,
+    b_codes: jax.Array,
+    b_scales: jax.Array,
+    b_amax: jax.Array,
+    *,
+    dtype: Any,
+) -> jax.Array:
+    """The matmul primitive on the native FP4 GEMM: out [batch, M, N] of dtype.
+
+    Same operands and result as ``jax_nvfp4.reference.matmul``; dtype is
+    bfloat16 or float32. Runs only on a GPU where ``native_fp4_supported``
+    holds (elsewhere the custom call fails to compile or to run, with a
+    message).
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+        raise TypeError(f"dtype must be bfloat16 or float32, got {dtype}")
+    ops = native_operands(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax)
+    batch = ops.a_codes.shape[0]
+    if batch == 0 or ops.m == 0 or ops.n == 0 or a_codes.shape[2] == 0:
+        return jnp.zeros((batch, ops.m, ops.n), dtype)  # nothing to multiply
+    return _call_handler(ops, dtype)[:, : ops.m, : ops.n]
+
+
+def _has_fp4_tensor_cores(device: Any) -> bool:
+    """A CUDA device of compute capability 10.0 or newer."""
+    if getattr(device, "platform", None) != "gpu":
+        return False
+    capability = getattr(device, "compute_capability", None)
+    try:
+        major, minor = (int(v) for v in str(capability).split(".")[:2])
+    except ValueError:  # not CUDA (e.g. ROCm), or unknown
+        return False
+    return (major, minor) >= (10, 0)
+
+
+def _cuda_devices() -> tuple[Any, ...]:
+    try:
+        return tuple(jax.devices("cuda"))
+    except RuntimeError:  # no CUDA backend in this process
+        return ()
+
+
+def _target_devices(target: Any) -> tuple[Any, ...]:
+    if target is None:
+        return _cuda_devices()
+    if hasattr(target, "module_context"):  # mlir.LoweringRuleContext
+        platforms = tuple(target.platforms or target.module_context.platforms)
+        # A module lowered for several platforms (export) keeps the portable
+        # bf16 GEMM.
+        return _cuda_devices() if platforms == ("cuda",) else ()
+    if hasattr(target, "platform"):
+        return (target,)
+    if isinstance(target, Sequence):
+        return tuple(target)
+    raise TypeError(
+        "target must be a lowering context, a device, a sequence of devices "
+        f"or None, got {type(target).__name__}"
+    )
+
+
+def native_fp4_supported(target: Any = None) -> bool:
+    """Whether the matmul primitive can use the native FP4 GEMM.
+
+    True when the handler was compiled in (``jax_nvfp4_matmul_fp4_sm100`` is a
+    registered CUDA target), ``JAX_NVFP4_NATIVE_GEMM`` is not ``0``, and every
+    target device has compute capability >= 10.0.
+
+    Args:
+      target: what is lowered for: a lowering rule's context (its platforms
+        must be just "cuda"; the devices are those of the CUDA backend), a
+        device, a sequence of devices, or None for the CUDA backend's devices.
+    """
+    devices = _target_devices(target)
+    if os.environ.get("JAX_NVFP4_NATIVE_GEMM", "1").strip().lower() in _DISABLE:
+        return False
+    if TARGET not in _ffi_registry.registered_targets().get("cuda", frozenset()):
+        return False
+    return bool(devices) and all(_has_fp4_tensor_cores(d) for d in devices)

@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_nvfp4 import _ffi_registry, partitioning, reference
+from jax_nvfp4 import _ffi_registry, cuda_gemm, partitioning, reference
 from jax_nvfp4.partitioning import Dim
 
 __all__ = [
@@ -508,7 +508,7 @@ matmul_p = _define(
     _matmul_layout,
     multiple=False,
     drop=("dtype",),
-    lowerings={"cuda": reference.matmul_dequantize_bf16},
+    lowerings={"cuda": cuda_gemm.matmul_cuda},
 )
 
 

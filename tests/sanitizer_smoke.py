@@ -28,7 +28,22 @@ def main():
         deq = [nv.dequantize(t, jnp.float32) for t in outs]
         deq += [nv.dequantize(outs[0], jnp.bfloat16)]
         jax.block_until_ready((outs, deq))
-    print("sanitizer smoke: ran", len(outs), "quantizations per dtype")
+    # The GEMM: shared b, per-item b and per-item amaxes (vmap), both outputs.
+    a = nv.quantize(jax.random.normal(key, (3, 40, 96), jnp.bfloat16))
+    b = nv.quantize(jax.random.normal(key, (48, 96), jnp.bfloat16))
+    bb = nv.quantize(jax.random.normal(key, (3, 48, 96), jnp.bfloat16))
+    per_item = jax.vmap(nv.matmul)(
+        jax.vmap(nv.quantize)(jax.random.normal(key, (3, 40, 96))),
+        jax.vmap(nv.quantize)(jax.random.normal(key, (3, 48, 96))),
+    )
+    gemms = [
+        nv.matmul(a, b),
+        nv.matmul(a, b, out_dtype=jnp.float32),
+        nv.matmul(a, bb),
+        per_item,
+    ]
+    jax.block_until_ready(gemms)
+    print("sanitizer smoke: ran", len(outs), "quantizations per dtype and 4 GEMMs")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,205 @@
+"""The matmul primitive on CUDA GPUs: which GEMM runs, decided when lowered.
+
+``matmul_cuda`` is the primitive's CUDA lowering body. It picks, in order:
+
+1. ``"native_fp4"``: on Blackwell (compute capability >= 10.0) with the native
+   block-scaled FP4 handler built -- ``blackwell.matmul_native``.
+2. ``"cublaslt_bf16"``: on GPUs of compute capability >= 8.0 with the cuBLASLt
+   bf16 handler built (``ffi/cublaslt_bf16_gemm.cu``, target
+   ``jax_nvfp4_matmul_bf16``) -- ``matmul_bf16``: both operands are decoded to
+   bfloat16 in XLA (e2m1 times the E4M3 block scale has at most 6 significant
+   bits, so the decode is exact), then one cuBLASLt GEMM accumulates in
+   float32 and, in its epilogue, multiplies by alpha = (amax_a / 2688) *
+   (amax_b / 2688) and rounds once to the output type.
+3. ``"xla_bf16"``: otherwise -- ``reference.matmul_dequantize_bf16``, the same
+   decode and a bf16 ``dot_general`` with a float32 result, then a multiply by
+   alpha and the rounding in a separate XLA fusion.
+
+(2) computes the same products and float32 sums as (3) (up to accumulation
+order) without (3)'s float32 [M, N] intermediate: one write of the output
+instead of a float32 write, a read and a second write. Its alpha is computed on
+the device with IEEE division, bit for bit the CPU handler's (in XLA a division
+by the constant 2688 may become an inexact multiplication by its reciprocal).
+It is not yet usable inside CUDA graphs (XLA command buffers run around it).
+
+Switches, read when a computation is lowered (set them before it is compiled):
+``JAX_NVFP4_NATIVE_GEMM=0`` skips (1) and ``JAX_NVFP4_CUBLASLT_GEMM=0`` skips
+(2), e.g. to bypass a handler that fails on some GPU or cuBLAS version.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_nvfp4 import _ffi_registry, blackwell, reference
+
+__all__ = [
+    "TARGET",
+    "cublaslt_gemm_supported",
+    "decode_bf16",
+    "gemm_path",
+    "matmul_bf16",
+    "matmul_cuda",
+    "workspace_bytes",
+]
+
+TARGET = "jax_nvfp4_matmul_bf16"
+_SWITCH = "JAX_NVFP4_CUBLASLT_GEMM"
+_DISABLE = ("0", "false", "off", "no")
+_MIN_CAPABILITY = (8, 0)  # bf16 tensor cores (Ampere)
+
+
+def workspace_bytes(batch: int) -> int:
+    """Size of the handler's workspace result: beta and one alpha per batch
+    item, padded to 256 bytes (``ffi/cublaslt_plan.h``), then cuBLASLt's 32 MiB
+    (the size the cuBLAS documentation recommends for Hopper and newer). The
+    same layout as the FP4 handler's (``blackwell.workspace_bytes``)."""
+    return blackwell.workspace_bytes(batch)
+
+
+def _capability(device: Any) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device; None for other devices (CPU, ROCm)."""
+    if getattr(device, "platform", None) != "gpu":
+        return None
+    try:
+        major, minor = (int(v) for v in str(device.compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):  # not CUDA (e.g. ROCm), or unknown
+        return None
+    return major, minor
+
+
+def _cuda_devices() -> tuple[Any, ...]:
+    """The devices of this process's CUDA backend; () without one."""
+    try:
+        return tuple(jax.devices("cuda"))
+    except RuntimeError:
+        return ()
+
+
+def cublaslt_gemm_supported(devices: Sequence[Any] | None = None) -> bool:
+    """Whether the matmul primitive can use the cuBLASLt bf16 GEMM handler.
+
+    True when the handler was compiled in (``jax_nvfp4_matmul_bf16`` is a
+    registered CUDA target), ``JAX_NVFP4_CUBLASLT_GEMM`` is not ``0``, and
+    every device has compute capability >= 8.0.
+
+    Args:
+      devices: the devices lowered for; None for the CUDA backend's devices.
+        Without any (e.g. lowering for "cuda" on a machine without a GPU) the
+        portable XLA GEMM is used, so that the module does not depend on this
+        extension's handler.
+    """
+    if devices is None:
+        devices = _cuda_devices()
+    if os.environ.get(_SWITCH, "1").strip().lower() in _DISABLE:
+        return False
+    if TARGET not in _ffi_registry.registered_targets().get("cuda", frozenset()):
+        return False
+    capabilities = [_capability(d) for d in devices]
+    return bool(capabilities) and all(
+        c is not None and c >= _MIN_CAPABILITY for c in capabilities
+    )
+
+
+def gemm_path(devices: Sequence[Any] | None = None) -> str:
+    """The GEMM ``matmul_cuda`` lowers to for these devices (None: the CUDA
+    backend's): ``"native_fp4"``, ``"cublaslt_bf16"`` or ``"xla_bf16"``."""
+    devices = _cuda_devices() if devices is None else tuple(devices)
+    if blackwell.native_fp4_supported(devices):
+        return "native_fp4"
+    if cublaslt_gemm_supported(devices):
+        return "cublaslt_bf16"
+    return "xla_bf16"
+
+
+def decode_bf16(codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """e2m1(code) * block scale as bfloat16 (exact), without the amax.
+
+    codes: uint8 [batch, rows, K/2]; scales: float8_e4m3fn [batch, rows, K/16].
+    Returns bfloat16 [batch, rows, K]. E2M1 values have at most 2 significant
+    bits and E4M3 scales 4 (subnormals fewer), so every product fits the 8 bits
+    of bfloat16's significand and its exponent range.
+    """
+    return reference._decode_unscaled(codes, scales).astype(jnp.bfloat16)
+
+
+def _call_handler(
+    a: jax.Array, b: jax.Array, a_amax: jax.Array, b_amax: jax.Array, dtype
+) -> jax.Array:
+    """The custom call: a bf16 [batch, M, K], b bf16 [1 or batch, N, K], the
+    amaxes float32 [1 or batch] -> out [batch, M, N] of dtype (the workspace
+    result is dropped)."""
+    batch, m, _ = a.shape
+    out, _ = jax.ffi.ffi_call(
+        TARGET,
+        (
+            jax.ShapeDtypeStruct((batch, m, b.shape[1]), dtype),
+            jax.ShapeDtypeStruct((workspace_bytes(batch),), jnp.uint8),
+        ),
+    )(a, b, a_amax, b_amax)
+    return out
+
+
+def matmul_bf16(
+    a_codes: jax.Array,
+    a_scales: jax.Array,
+    a_amax: jax.Array,
+    b_codes: jax.Array,
+    b_scales: jax.Array,
+    b_amax: jax.Array,
+    *,
+    dtype: Any,
+) -> jax.Array:
+    """The matmul primitive on the cuBLASLt bf16 GEMM: out [batch, M, N].
+
+    Same operands and result as ``jax_nvfp4.reference.matmul``: a_codes uint8
+    [batch, M, K/2], a_scales float8_e4m3fn [batch, M, K/16], a_amax float32
+    [1 or batch], b likewise with N rows and a batch of 1 or a's; dtype is
+    bfloat16 or float32. Runs only on a CUDA GPU of compute capability >= 8.0
+    with the handler built (elsewhere the custom call fails to compile or to
+    run, with a message).
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+        raise TypeError(f"dtype must be bfloat16 or float32, got {dtype}")
+    blackwell._check_operands(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax)
+    batch, m, half = a_codes.shape
+    n = b_codes.shape[1]
+    if batch == 0 or m == 0 or n == 0 or half == 0:
+        return jnp.zeros((batch, m, n), dtype)  # nothing to multiply
+    return _call_handler(
+        decode_bf16(a_codes, a_scales),
+        decode_bf16(b_codes, b_scales),
+        jnp.asarray(a_amax, jnp.float32).reshape(-1),
+        jnp.asarray(b_amax, jnp.float32).reshape(-1),
+        dtype,
+    )
+
+
+def matmul_cuda(
+    a_codes: jax.Array,
+    a_scales: jax.Array,
+    a_amax: jax.Array,
+    b_codes: jax.Array,
+    b_scales: jax.Array,
+    b_amax: jax.Array,
+    *,
+    dtype: Any,
+) -> jax.Array:
+    """The matmul primitive's CUDA implementation, chosen when it is lowered
+    (``gemm_path``): native FP4 on Blackwell, the cuBLASLt bf16 GEMM with alpha
+    in the epilogue on other GPUs, XLA's bf16 GEMM where neither applies."""
+    path = gemm_path()
+    if path == "native_fp4":
+        fn = blackwell.matmul_native
+    elif path == "cublaslt_bf16":
+        fn = matmul_bf16
+    else:
+        fn = reference.matmul_dequantize_bf16
+    return fn(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype)

@@ -1,0 +1,430 @@
+"""The Blackwell FP4 GEMM's host-side logic, on CPU: the padded codes and
+swizzled scales handed to the handler (against the layout's definition), the
+handler's shape checks (C++, through the extension), the custom call it lowers
+to, and a float64 emulation of the handler's contract against the reference and
+the CPU handler, on shapes that are not multiples of the tiles. GPU tests run
+the real handler: against the CPU handler on a Blackwell GPU, and its clean
+refusal on an older one (e.g. Hopper)."""
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import on_cpu
+
+from jax_nvfp4 import _ffi_registry, blackwell, primitives, reference
+from jax_nvfp4.format import e2m1_decode_table
+
+# (batch, M, N, K, b batch, per-item a amax, per-item b amax); M, N, K are odd
+# multiples of 16, so every operand is padded.
+CASES = [
+    (1, 16, 16, 16, 1, False, False),
+    (3, 48, 80, 112, 1, True, False),
+    (2, 144, 16, 208, 2, True, True),
+    (2, 16, 272, 48, 2, False, True),
+]
+
+
+def _operands(seed, batch, m, n, k, b_batch, a_per_item, b_per_item):
+    """Random codes, non-negative E4M3 scale bytes (0x00-0x7E) and amaxes."""
+    rng = np.random.default_rng(seed)
+
+    def side(items, rows, per_item):
+        codes = rng.integers(0, 256, (items, rows, k // 2), dtype=np.uint8)
+        scales = rng.integers(0, 0x7F, (items, rows, k // 16), dtype=np.uint8)
+        amax = rng.uniform(0.5, 40.0, items if per_item else 1).astype(np.float32)
+        return (
+            jnp.asarray(codes),
+            jnp.asarray(scales).view(jnp.float8_e4m3fn),
+            jnp.asarray(amax),
+        )
+
+    return (*side(batch, m, a_per_item), *side(b_batch, n, b_per_item))
+
+
+@jax.jit
+def _prepare_arrays(*args):
+    return blackwell.native_operands(*args)[:6]
+
+
+def _prepare(args) -> blackwell.NativeOperands:
+    """native_operands, jitted (the arrays; m and n are static)."""
+    return blackwell.NativeOperands(
+        *_prepare_arrays(*args), m=args[0].shape[1], n=args[3].shape[1]
+    )
+
+
+def _unswizzle(flat, rows, cols):
+    """The swizzled layout read back by its definition: byte
+    tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4 of tile
+    (r // 128, c // 4) holds scale (r, c)."""
+    r, c = np.indices((rows, cols))
+    tile = (r // 128) * (cols // 4) + c // 4
+    return np.asarray(flat)[tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4]
+
+
+def _decode(codes, scale_bytes):
+    """e2m1(code) * s_block in float64: codes [.., rows, K/2], scales
+    [.., rows, K/16] (bytes) -> [.., rows, K]."""
+    codes = np.asarray(codes)
+    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
+        *codes.shape[:-1], -1
+    )
+    values = e2m1_decode_table().astype(np.float64)[nibbles]
+    scales = np.asarray(scale_bytes).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return values * np.repeat(scales, 16, axis=-1)
+
+
+def _alpha(a_amax, b_amax, batch):
+    """alpha per batch item as the handlers compute it: float32 IEEE division
+    (numpy's), in the spec's order, broadcast over the batch."""
+    r = np.float32(2688.0)
+    a = np.broadcast_to(np.asarray(a_amax, np.float32).reshape(-1), (batch,))
+    b = np.broadcast_to(np.asarray(b_amax, np.float32).reshape(-1), (batch,))
+    return ((a / r) * (b / r)).astype(np.float64)
+
+
+def _emulate_handler(ops: blackwell.NativeOperands):
+    """What jax_nvfp4_matmul_fp4_sm100 computes, from exactly its operands, in
+    float64 (exact products of <= 12-bit significands): [batch, Mp, Np]."""
+    batch, mp, half = ops.a_codes.shape
+    b_batch, np_ = ops.b_codes.shape[:2]
+    kp = 2 * half
+    a_scales = np.stack([_unswizzle(s, mp, kp // 16) for s in ops.a_scales])
+    b_scales = np.stack([_unswizzle(s, np_, kp // 16) for s in ops.b_scales])
+    a = _decode(ops.a_codes, a_scales)
+    b = np.broadcast_to(_decode(ops.b_codes, b_scales), (batch, np_, kp))
+    alpha = _alpha(ops.a_amax, ops.b_amax, batch)
+    acc = np.einsum("bmk,bnk->bmn", a, b)
+    return acc * alpha[:, None, None]
+
+
+def _exact(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax):
+    """The spec in float64 on the unpadded operands (alpha as float32)."""
+    a = _decode(a_codes, np.asarray(a_scales).view(np.uint8))
+    b = _decode(b_codes, np.asarray(b_scales).view(np.uint8))
+    b = np.broadcast_to(b, (a.shape[0], *b.shape[1:]))
+    alpha = _alpha(a_amax, b_amax, a.shape[0])
+    return np.einsum("bmk,bnk->bmn", a, b) * alpha.reshape(-1, 1, 1), (a, b, alpha)
+
+
+def _float32_bound(a, b, alpha):
+    """Float32 accumulation in any order is within 2 K 2^-24 sum|a b| alpha
+    of the exact sum (plus the rounding of the final product by alpha)."""
+    k = a.shape[-1]
+    mag = np.einsum("bmk,bnk->bmn", np.abs(a), np.abs(b)) * alpha.reshape(-1, 1, 1)
+    return 2 * k * 2.0**-24 * mag
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_operands_are_padded_and_swizzled(case):
+    batch, m, n, k, b_batch = case[:5]
+    args = _operands(1, *case)
+    ops = _prepare(args)
+    mp, np_, kp = (-(-v // t) * t for v, t in ((m, 128), (n, 128), (k, 64)))
+    assert (ops.m, ops.n) == (m, n)
+    assert ops.a_codes.shape == (batch, mp, kp // 2)
+    assert ops.b_codes.shape == (b_batch, np_, kp // 2)
+    assert ops.a_scales.shape == (batch, mp * kp // 16)
+    assert ops.b_scales.shape == (b_batch, np_ * kp // 16)
+    for codes, scales, want_codes, want_scales, rows, padded in (
+        (ops.a_codes, ops.a_scales, args[0], args[1], m, mp),
+        (ops.b_codes, ops.b_scales, args[3], args[4], n, np_),
+    ):
+        codes = np.asarray(codes)
+        np.testing.assert_array_equal(codes[:, :rows, : k // 2], want_codes)
+        pad = np.ones(codes.shape, bool)
+        pad[:, :rows, : k // 2] = False
+        assert not codes[pad].any(), "padded codes must be zero"
+        for item in range(codes.shape[0]):
+            grid = _unswizzle(scales[item], padded, kp // 16)
+            np.testing.assert_array_equal(
+                grid[:rows, : k // 16], np.asarray(want_scales[item]).view(np.uint8)
+            )
+            grid[:rows, : k // 16] = 0
+            assert not grid.any(), "padded scales must be zero"
+    for got, want in ((ops.a_amax, args[2]), (ops.b_amax, args[5])):
+        assert got.dtype == jnp.float32 and got.ndim == 1
+        np.testing.assert_array_equal(got, np.asarray(want).reshape(-1))
+
+
+def _extension():
+    """The compiled extension, if it has the handler's argument checks."""
+    ffi = pytest.importorskip("jax_nvfp4._ffi")
+    plan = getattr(ffi, "plan_fp4_gemm", None)
+    if plan is None or "a_amax" not in (plan.__doc__ or ""):
+        pytest.skip("the built extension predates this plan_fp4_gemm; rebuild it")
+    return ffi
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_handler_accepts_the_prepared_operands(case):
+    """The C++ checks of the handler (ffi/fp4_gemm_plan.h) on the operands and
+    result shapes that matmul_native hands it."""
+    ops = _prepare(_operands(2, *case))
+    batch, mp, half = ops.a_codes.shape
+    np_ = ops.b_codes.shape[1]
+    shapes = {name: list(getattr(ops, name).shape) for name in ops._fields[:6]}
+    plan = _extension().plan_fp4_gemm(
+        **shapes,
+        out=[batch, mp, np_],
+        workspace=[blackwell.workspace_bytes(batch)],
+    )
+    shared = ops.b_codes.shape[0] == 1
+    head = -(-4 * (batch + 1) // 256) * 256
+    assert plan == {
+        "batch": batch,
+        "m": mp,
+        "n": np_,
+        "k": 2 * half,
+        "a_codes_stride": mp * half,
+        "b_codes_stride": 0 if shared else np_ * half,
+        "a_scales_stride": ops.a_scales.shape[1],
+        "b_scales_stride": 0 if shared else ops.b_scales.shape[1],
+        "out_stride": mp * np_,
+        "a_amax_stride": int(ops.a_amax.shape[0] != 1),
+        "b_amax_stride": int(ops.b_amax.shape[0] != 1),
+        "workspace_head_bytes": head,
+        "workspace_bytes": blackwell.WORKSPACE_BYTES,
+    }
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(a_codes=[2, 100, 32]), "multiples of 128"),
+        (dict(b_codes=[1, 128, 48]), "same K"),
+        (dict(b_codes=[3, 128, 32], b_scales=[3, 512]), "b's batch"),
+        (dict(a_scales=[2, 511]), "swizzled"),
+        (dict(a_amax=[3]), "each amax"),
+        (dict(b_amax=[2]), "each amax"),
+        (dict(out=[2, 128, 256]), "out must be"),
+        (dict(workspace=[4]), "at least 256 bytes"),
+        (dict(a_amax=[1, 2]), "rank"),
+    ],
+)
+def test_handler_rejects_inconsistent_shapes(change, message):
+    good = dict(
+        a_codes=[2, 128, 32],
+        a_scales=[2, 512],
+        a_amax=[2],
+        b_codes=[1, 128, 32],
+        b_scales=[1, 512],
+        b_amax=[1],
+        out=[2, 128, 128],
+        workspace=[4096],
+    )
+    plan_fp4_gemm = _extension().plan_fp4_gemm
+    plan_fp4_gemm(**good)
+    with pytest.raises(ValueError, match=message):
+        plan_fp4_gemm(**{**good, **change})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_handler_contract_matches_reference_and_cpu_handler(case):
+    args = _operands(3, *case)
+    ops = _prepare(args)
+    got = _emulate_handler(ops)[:, : ops.m, : ops.n]
+    exact, (a, b, alpha) = _exact(*args)
+    # The padded problem is the same sum: zeros add nothing.
+    np.testing.assert_allclose(got, exact, rtol=1e-12, atol=1e-300)
+    bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
+    for name, fn in (
+        ("reference", reference.matmul),
+        ("CPU handler", primitives.matmul),
+    ):
+        want = on_cpu(jax.jit(functools.partial(fn, dtype=jnp.float32)), *args)
+        assert want.shape == exact.shape, name
+        assert np.all(np.abs(np.asarray(want, np.float64) - got) <= bound), name
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_matmul_native_slices_the_handler_result(monkeypatch, dtype):
+    """matmul_native end to end on CPU, with the custom call replaced by the
+    handler's emulation: the result is the unpadded block, of dtype."""
+
+    def fake_handler(ops, out_dtype):
+        batch, mp = ops.a_codes.shape[:2]
+        shape = jax.ShapeDtypeStruct((batch, mp, ops.b_codes.shape[1]), out_dtype)
+        return jax.pure_callback(
+            lambda o: _emulate_handler(o).astype(np.float32).astype(out_dtype),
+            shape,
+            ops,
+            vmap_method="sequential",
+        )
+
+    monkeypatch.setattr(blackwell, "_call_handler", fake_handler)
+    args = _operands(4, *CASES[2])
+    got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*args)
+    exact, (a, b, alpha) = _exact(*args)
+    assert got.shape == exact.shape and got.dtype == dtype
+    want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)
+    bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
+    assert np.all(np.abs(np.asarray(want, np.float64) - exact) <= bound)
+    if dtype == jnp.float32:
+        assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)
+    else:  # one rounding of the float32 result, as on every backend
+        np.testing.assert_array_equal(got, exact.astype(np.float32).astype(dtype))
+
+
+def test_lowers_to_the_custom_call_with_padded_operands():
+    args = _operands(5, *CASES[1])  # batch 3, M=48, N=80, K=112, shared b
+    text = (
+        jax.jit(functools.partial(blackwell.matmul_native, dtype=jnp.bfloat16))
+        .lower(*args)
+        .as_text()
+    )
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "@jax_nvfp4_matmul_fp4_sm100(" in calls[0]
+    workspace = blackwell.workspace_bytes(3)
+    assert (
+        "(tensor<3x128x64xui8>, tensor<3x1024xui8>, tensor<3xf32>, "
+        "tensor<1x128x64xui8>, tensor<1x1024xui8>, tensor<1xf32>) -> "
+        f"(tensor<3x128x128xbf16>, tensor<{workspace}xui8>)"
+    ) in calls[0]
+
+
+def test_empty_problems_skip_the_handler():
+    args = _operands(6, 2, 16, 16, 16, 1, False, False)
+    empty_m = (args[0][:, :0], args[1][:, :0], *args[2:])
+    out = blackwell.matmul_native(*empty_m, dtype=jnp.float32)
+    assert out.shape == (2, 0, 16)
+    zero_k = (args[0][..., :0], args[1][..., :0], args[2], args[3][..., :0])
+    out = blackwell.matmul_native(
+        *zero_k, args[4][..., :0], args[5], dtype=jnp.bfloat16
+    )
+    assert out.shape == (2, 16, 16) and not np.asarray(out, np.float32).any()
+
+
+def test_operand_errors_say_what_to_change():
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = _operands(
+        7, 2, 16, 16, 32, 2, True, True
+    )
+    with pytest.raises(ValueError, match="both must be the same multiple of 16"):
+        blackwell.native_operands(
+            a_codes, a_scales, a_amax, b_codes[..., :8], b_scales[..., :1], b_amax
+        )
+    with pytest.raises(ValueError, match="b's batch must be 1 or a's"):
+        blackwell.native_operands(
+            a_codes,
+            a_scales,
+            a_amax,
+            jnp.concatenate([b_codes] * 2),
+            jnp.concatenate([b_scales] * 2),
+            jnp.ones(1),
+        )
+    with pytest.raises(ValueError, match="a_amax must have 1 or 2"):
+        blackwell.native_operands(
+            a_codes, a_scales, jnp.ones(3), b_codes, b_scales, b_amax
+        )
+    with pytest.raises(TypeError, match="a_scales must be float8_e4m3fn"):
+        blackwell.native_operands(
+            a_codes, a_scales.view(jnp.uint8), a_amax, b_codes, b_scales, b_amax
+        )
+    with pytest.raises(TypeError, match="dtype must be bfloat16 or float32"):
+        blackwell.matmul_native(
+            a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=jnp.float16
+        )
+
+
+def _device(platform, capability):
+    return types.SimpleNamespace(platform=platform, compute_capability=capability)
+
+
+def test_native_fp4_supported_on_cpu_is_false():
+    assert not blackwell.native_fp4_supported()
+    assert not blackwell.native_fp4_supported(jax.devices("cpu")[0])
+    ctx = types.SimpleNamespace(
+        platforms=None, module_context=types.SimpleNamespace(platforms=("cpu",))
+    )
+    assert not blackwell.native_fp4_supported(ctx)
+
+
+def test_native_fp4_supported_decides_by_capability_and_registration(monkeypatch):
+    registered = {"cuda": frozenset({blackwell.TARGET})}
+    monkeypatch.setattr(_ffi_registry, "registered_targets", lambda: registered)
+    assert blackwell.native_fp4_supported(_device("gpu", "10.0"))
+    assert blackwell.native_fp4_supported(
+        [_device("gpu", "10.3"), _device("gpu", "12.0")]
+    )
+    assert not blackwell.native_fp4_supported(_device("gpu", "9.0"))
+    assert not blackwell.native_fp4_supported(
+        [_device("gpu", "10.0"), _device("gpu", "9.0")]
+    )
+    assert not blackwell.native_fp4_supported(_device("gpu", None))  # e.g. ROCm
+    assert not blackwell.native_fp4_supported([])
+    # Several lowering platforms (export): the portable bf16 GEMM.
+    ctx = types.SimpleNamespace(platforms=("cuda", "cpu"), module_context=None)
+    assert not blackwell.native_fp4_supported(ctx)
+    monkeypatch.setenv("JAX_NVFP4_NATIVE_GEMM", "0")
+    assert not blackwell.native_fp4_supported(_device("gpu", "10.0"))
+    monkeypatch.delenv("JAX_NVFP4_NATIVE_GEMM")
+    monkeypatch.setattr(
+        _ffi_registry, "registered_targets", lambda: {"cuda": frozenset()}
+    )
+    assert not blackwell.native_fp4_supported(_device("gpu", "10.0"))
+    with pytest.raises(TypeError, match="target must be"):
+        blackwell.native_fp4_supported(3.0)
+
+
+def _blackwell_gpu():
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    return gpus[0] if gpus and blackwell.native_fp4_supported(gpus) else None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("case", CASES)
+def test_native_gemm_on_blackwell_matches_cpu_handler(case, dtype):
+    gpu = _blackwell_gpu()
+    if gpu is None:
+        pytest.skip("needs a GPU of compute capability >= 10.0 with the handler built")
+    args = _operands(9, *case)
+    on_gpu = [jax.device_put(x, gpu) for x in args]
+    got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*on_gpu)
+    exact, (a, b, alpha) = _exact(*args)
+    bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
+    want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)
+    assert np.all(np.abs(np.asarray(want, np.float64) - exact) <= bound)
+    if dtype == jnp.float32:
+        assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)
+    else:  # within one bf16 rounding of a float32 result inside the bound
+        tol = bound + np.abs(exact) * 2.0**-8
+        assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= tol)
+
+
+def _pre_blackwell_gpu_with_handler():
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    registered = _ffi_registry.registered_targets().get("cuda", frozenset())
+    if not gpus or blackwell.TARGET not in registered:
+        return None
+    return None if blackwell.native_fp4_supported(gpus[0]) else gpus[0]
+
+
+@pytest.mark.gpu
+def test_handler_on_an_older_gpu_fails_cleanly():
+    """On a GPU without FP4 tensor cores (Hopper) the real handler decodes its
+    operands, passes its shape checks and returns an error that says what to
+    do -- no crash."""
+    gpu = _pre_blackwell_gpu_with_handler()
+    if gpu is None:
+        pytest.skip("needs a GPU of compute capability < 10.0 with the handler built")
+    args = [jax.device_put(x, gpu) for x in _operands(10, *CASES[1])]
+    with pytest.raises(jax.errors.JaxRuntimeError, match="compute capability 10.0"):
+        jax.block_until_ready(
+            jax.jit(functools.partial(blackwell.matmul_native, dtype=jnp.bfloat16))(
+                *args
+            )
+        )
+    # The primitive itself keeps the exact bf16 GEMM there.
+    assert not blackwell.native_fp4_supported(gpu)
