@@ -3,7 +3,8 @@
 # the quantize and linear benchmarks, compute-sanitizer memcheck + racecheck
 # (each step time-boxed). Results land in $OUT.
 #   bash benchmarks/gpu_session.sh [tests-to-run]
-# SKIP_QUANTIZE_BENCH=1 / SKIP_SANITIZER=1 leave those steps out.
+# SKIP_QUANTIZE_BENCH=1 / SKIP_SANITIZER=1 leave those steps out; LINEAR_SHAPES,
+# SANITIZERS ("memcheck racecheck") and PYTEST_TIMEOUT narrow a short call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -12,17 +13,21 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 pip list 2>/dev/null | grep -iE "^(jax|flax|equinox|optax|nvidia|ml.dtypes|numpy)" > "$OUT/pip_list.txt"
 t0=$(date +%s)
+cuda_include=/usr/local/cuda/targets/x86_64-linux/include
+[ -f "$cuda_include/cublasLt.h" ] && export JAX_NVFP4_CUBLAS_INCLUDE_DIR="${JAX_NVFP4_CUBLAS_INCLUDE_DIR:-$cuda_include}"
 JAX_NVFP4_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 300 python3 -m pip install \
   --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
-(cd /tmp && python3 -c "import jax_nvfp4 as nv; print('handlers:', sorted(nv.available_platforms()))")
+(cd /tmp && python3 -c "import jax_nvfp4 as nv, jax_nvfp4.cuda_gemm as g; print('handlers:', sorted(nv.available_platforms()), 'GEMM path:', g.gemm_path())")
+grep -E "cuBLASLt|Blackwell" "$OUT/build.log" | head -4
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-timeout 240 pytest -q $tests 2>&1 | tee "$OUT/pytest.txt" | tail -8
+timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $tests 2>&1 | tee "$OUT/pytest.txt" | tail -8
 [ -n "${SKIP_QUANTIZE_BENCH:-}" ] || timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
 mkdir -p "$OUT/hlo"
-timeout 300 python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" --hlo-dir "$OUT/hlo" 2>&1 | tee "$OUT/linear_bench.txt" | tail -30
+timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" --hlo-dir "$OUT/hlo" \
+  --linear "${LINEAR_SHAPES:-8192x4096x14336,16384x8192x28672}" 2>&1 | tee "$OUT/linear_bench.txt" | tail -30
 [ -n "${SKIP_SANITIZER:-}" ] && exit 0
-for tool in memcheck racecheck; do
-  timeout 100 compute-sanitizer --tool $tool python3 tests/sanitizer_smoke.py > "$OUT/sanitizer_$tool.txt" 2>&1
+for tool in ${SANITIZERS:-memcheck racecheck}; do
+  timeout "${SANITIZER_TIMEOUT:-100}" compute-sanitizer --tool $tool python3 tests/sanitizer_smoke.py > "$OUT/sanitizer_$tool.txt" 2>&1
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|smoke' "$OUT/sanitizer_$tool.txt" | tr '\n' ' ')"
 done
