@@ -78,21 +78,21 @@ def _varying(aval) -> frozenset:
 
 
 def _with_varying(out, avals):
-    """Gives abstract outputs the manual-axis variance of the input that
-    varies most (inside shard_map with check_vma; a no-op elsewhere)."""
-    template = max(avals, key=lambda a: len(_varying(a)), default=None)
-    if template is None or not _varying(template):
+    """Gives abstract outputs the manual-axis variance of all inputs together
+    (inside shard_map with check_vma; a no-op elsewhere)."""
+    varying = frozenset().union(*(_varying(a) for a in avals))
+    if not varying:
         return out
-
     from jax._src import core as jax_core  # the current (manual) mesh
 
     def one(o):
         sharding = jax_core.get_cur_mesh_sharding()
-        if hasattr(template, "mat"):
-            return o.update(sharding=sharding, manual_axis_type=template.mat)
-        return o.update(sharding=sharding, vma=template.vma)
+        if hasattr(avals[0], "mat"):  # jax 0.10: ManualAxisType
+            mat = jax_core.ManualAxisType(varying=varying)
+            return o.update(sharding=sharding, manual_axis_type=mat)
+        return o.update(sharding=sharding, vma=varying)
 
-    return [one(o) for o in out] if isinstance(out, list | tuple) else one(o=out)
+    return [one(o) for o in out] if isinstance(out, list | tuple) else one(out)
 
 
 # --- batching: fold the vmapped axis into the leading batch axis -----------
@@ -121,6 +121,15 @@ def _fold_per_item(a, d, size, width=1):
     return a.reshape(-1, width) if width > 1 else a.reshape(-1)
 
 
+def _per_batch_item(a, d, size, batch, width=1):
+    """Folds a per-item operand and repeats it to one entry per item of the
+    folded batch, so that a sharded batch axis carries its amaxes and keys
+    along (a [n] operand with 1 < n < batch could not follow the batch's
+    sharding)."""
+    a = _fold_per_item(a, d, size, width)
+    return jnp.repeat(a, batch // a.shape[0], axis=0) if a.shape[0] != batch else a
+
+
 def _unfold(outs, size):
     outs = [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs]
     return outs, [0] * len(outs)
@@ -138,10 +147,12 @@ def _quantize_batch(prim, args, dims, **params):
     x, amax, key, origin = args
     xd, ad, kd, od = dims
     size = _batch_size(args, dims)
+    x = _fold(x, xd, size)
+    batch = x.shape[0]
     outs = prim.bind(
-        _fold(x, xd, size),
-        _fold_per_item(amax, ad, size),
-        _fold_per_item(key, kd, size, 2),
+        x,
+        _per_batch_item(amax, ad, size, batch),
+        _per_batch_item(key, kd, size, batch, 2),
         _unbatched_origin(origin, od),
         **params,
     )
@@ -152,11 +163,13 @@ def _quantize_rows_cols_batch(args, dims, **params):
     x, row_amax, col_amax, key, origin = args
     xd, rd, cd, kd, od = dims
     size = _batch_size(args, dims)
+    x = _fold(x, xd, size)
+    batch = x.shape[0]
     outs = quantize_rows_cols_p.bind(
-        _fold(x, xd, size),
-        _fold_per_item(row_amax, rd, size),
-        _fold_per_item(col_amax, cd, size),
-        _fold_per_item(key, kd, size, 2),
+        x,
+        _per_batch_item(row_amax, rd, size, batch),
+        _per_batch_item(col_amax, cd, size, batch),
+        _per_batch_item(key, kd, size, batch, 2),
         _unbatched_origin(origin, od),
         **params,
     )
@@ -173,10 +186,11 @@ def _amax_batch(args, dims, *, rht_axis):
 def _dequantize_batch(args, dims, *, dtype):
     codes, scales, amax = args
     size = _batch_size(args, dims)
+    codes = _fold(codes, dims[0], size)
     out = dequantize_p.bind(
-        _fold(codes, dims[0], size),
+        codes,
         _fold(scales, dims[1], size),
-        _fold_per_item(amax, dims[2], size),
+        _per_batch_item(amax, dims[2], size, codes.shape[0]),
         dtype=dtype,
     )
     return out.reshape(size, -1, *out.shape[1:]), 0
@@ -227,6 +241,7 @@ def _define(
     impl, and a lowering that partitions by ``layout`` under sharded jit) and
     ``name_local`` (one shard's work: the FFI handler, a platform-specific
     pure-JAX path, or the reference)."""
+
     def abstract_eval(*avals, **params):
         return _with_varying(abstract(*avals, **params), avals)
 

@@ -142,7 +142,13 @@ def _check_amax(amax, name="amax") -> jax.Array:
     return amax.astype(jnp.float32).reshape(())
 
 
-def global_amax(x: jax.Array, axis: int = -1, *, rht: bool = False) -> jax.Array:
+def global_amax(
+    x: jax.Array,
+    axis: int = -1,
+    *,
+    rht: bool = False,
+    implementation: Implementation = "ffi",
+) -> jax.Array:
     """The float32 amax that ``quantize(x, axis, rht=rht)`` uses.
 
     max |x| over the whole tensor (NaN ignored); with ``rht``, the max of the
@@ -154,7 +160,8 @@ def global_amax(x: jax.Array, axis: int = -1, *, rht: bool = False) -> jax.Array
     axis = _normalize_axis(axis, x.ndim)
     _check_multiple_of_16(x.shape, axis, "the Random Hadamard Transform")
     x3, rht_axis = _rank3(x, axis)
-    return jnp.max(primitives.amax(x3, rht_axis=rht_axis)[:, 1])
+    ops = implementation_ops(implementation)
+    return jnp.max(ops.amax(x3, rht_axis=rht_axis)[:, 1])
 
 
 def _rank3(x, axis):
@@ -218,7 +225,7 @@ def quantize(
     if not 0 <= stream <= 255:
         raise ValueError(f"stream must be in [0, 255], got {stream}")
     ops = implementation_ops(implementation)
-    words = key_words(key, stochastic, x.size)
+    words = key_words(key, stochastic, _global_size(x, _place))
     x3, rht_axis = _rank3(x, axis)
     if amax is None:
         if rht:
@@ -240,6 +247,13 @@ def quantize(
         stream=stream,
     )
     return _wrap(codes, scales, amax, x.shape, axis, block, rht)
+
+
+def _global_size(x, place) -> int:
+    """Elements of the whole tensor that x is a token shard of."""
+    if place is None:
+        return x.size
+    return x.size // x.shape[0] * place[1]
 
 
 def _placement(place, x3):
@@ -314,7 +328,7 @@ def quantize_rowwise_and_columnwise(
         if not 0 <= stream <= 255:
             raise ValueError(f"streams must be in [0, 255], got {stream}")
     ops = implementation_ops(implementation)
-    words = key_words(key, row_sr or col_sr, x.size)
+    words = key_words(key, row_sr or col_sr, _global_size(x, _place))
     x3 = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
 
     plain = None

@@ -107,21 +107,23 @@ def _token_sharding(a2, axis_name):
     return index * tokens, tokens * count
 
 
-def _shard_amaxes(a2, rht, axis_name):
+def _shard_amaxes(a2, rht, axis_name, implementation):
     """(plain amax, token-axis RHT amax) of the whole token-sharded tensor."""
     names = _axis_names(axis_name)
     if not names:
         return None, None
     plain = jax.lax.pmax(global_amax(a2), names)
-    col = jax.lax.pmax(global_amax(a2, 0, rht=True), names) if rht else plain
-    return plain, col
+    if not rht:
+        return plain, plain
+    col = global_amax(a2, 0, rht=True, implementation=implementation)
+    return plain, jax.lax.pmax(col, names)
 
 
 def _quantize_x(x2, recipe: Recipe, axis_name=None):
     """x [T, K]: (row-wise along K for FPROP, column-wise along T for WGRAD)."""
     impl = recipe.implementation
     place = _token_sharding(x2, axis_name)
-    row_amax, col_amax = _shard_amaxes(x2, recipe.rht and recipe.wgrad, axis_name)
+    row_amax, col_amax = _shard_amaxes(x2, recipe.rht and recipe.wgrad, axis_name, impl)
     if recipe.fprop and recipe.wgrad:
         return quantize_rowwise_and_columnwise(
             _pad_tokens(x2, x2.shape[0]),
@@ -171,7 +173,9 @@ def _quantize_dy(dy2, words, recipe: Recipe, axis_name=None):
     impl = recipe.implementation
     key = words[0] if recipe.stochastic_rounding else None
     place = _token_sharding(dy2, axis_name)
-    row_amax, col_amax = _shard_amaxes(dy2, recipe.rht and recipe.wgrad, axis_name)
+    row_amax, col_amax = _shard_amaxes(
+        dy2, recipe.rht and recipe.wgrad, axis_name, impl
+    )
     if recipe.dgrad and recipe.wgrad:
         return quantize_rowwise_and_columnwise(
             _pad_tokens(dy2, dy2.shape[0]),

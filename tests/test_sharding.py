@@ -59,6 +59,11 @@ def test_quantized_bytes_equal_one_device(results, case):
     assert r["out_spec"] != "P()"  # and the result stays sharded
 
 
+def test_vmapped_batch_sharded(results):
+    # Per-item amaxes of a vmapped quantize follow the sharded batch.
+    assert results["vmap batch sharded bytes_equal"]
+
+
 def test_split_block_is_a_clear_error(results):
     message = results["split_block_error"]
     assert "split a 16-element NVFP4 block" in message
@@ -96,6 +101,11 @@ def test_shard_map_fsdp_step(results):
     assert r["dw_spec"] == "P('data', None)"  # gradients come back sharded
     # Only the example's own per-layer gather of the weight shard.
     assert r["all_gathers"] == ["f32[128,96]{1,0}"]
+
+
+def test_shard_map_outputs_keep_the_inputs_variance(results):
+    assert results["shard_map drops variance"] == "refused"
+    assert results["shard_map full spec"] == [64, 64]
 
 
 def test_quantize_inside_shard_map(results):
