@@ -187,3 +187,19 @@ def test_higher_order_derivatives_raise_clearly():
         jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2))(w)
     with pytest.raises(NotImplementedError, match="no derivative"):
         jax.jvp(lambda x: nv.quantize(x).codes, (x,), (x,))
+
+
+def test_dot_runs_the_handlers_on_the_default_backend():
+    """The compiled training step calls the quantize handlers (not their
+    pure-JAX twins) wherever handlers exist for the default backend."""
+    platform = jax.default_backend()
+    platform = "cuda" if platform == "gpu" else platform
+    if platform not in nv.available_platforms():
+        pytest.skip(f"no handlers for {platform}")
+    x = jnp.ones((64, 64), jnp.float32)
+    w = jnp.ones((64, 32), jnp.float32)
+    g = jnp.ones((64, 32), jnp.float32)
+    step = jax.jit(jax.value_and_grad(_loss(nv.NVFP4, jax.random.key(0)), (0, 1)))
+    hlo = step.lower(x, w, g).compile().as_text()
+    assert hlo.count("jax_nvfp4_quantize_rows_cols") >= 3, "x, w and dY quantizations"
+    assert "jax_nvfp4_amax" in hlo
