@@ -309,8 +309,13 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
       row[l] = E2M1Decode(code) * E4M3Decode(scales[l / kBlock]);
     }
   };
+  // b transposed, k-major: the kLanes sums of one row of a run side by side
+  // (vectorizable), each still adding its products in the order k = 0, 1, ...
+  constexpr int64_t kLanes = 8;
   std::vector<float> b_rows(static_cast<size_t>(n * k));
+  std::vector<float> b_cols(static_cast<size_t>(k * n));
   std::vector<float> a_row(static_cast<size_t>(k));
+  std::vector<float> sums(static_cast<size_t>(n));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t bb = b_batch == 1 ? 0 : b;
     const float a_max =
@@ -323,14 +328,30 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
         decode_row(b_codes.typed_data() + (bb * n + j) * (k / 2),
                    bs + (bb * n + j) * (k / kBlock), k, &b_rows[j * k]);
       }
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t l = 0; l < k; ++l) b_cols[l * n + j] = b_rows[j * k + l];
+      }
     }
     for (int64_t i = 0; i < m; ++i) {
       decode_row(a_codes.typed_data() + (b * m + i) * (k / 2),
                  as + (b * m + i) * (k / kBlock), k, a_row.data());
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j0 = 0;
+      for (; j0 + kLanes <= n; j0 += kLanes) {
+        float acc[kLanes] = {};
+        for (int64_t l = 0; l < k; ++l) {
+          const float x = a_row[l];
+          const float* col = &b_cols[l * n + j0];
+          for (int64_t t = 0; t < kLanes; ++t) acc[t] += x * col[t];
+        }
+        for (int64_t t = 0; t < kLanes; ++t) sums[j0 + t] = acc[t];
+      }
+      for (int64_t j = j0; j < n; ++j) {
         float acc = 0.0f;
         for (int64_t l = 0; l < k; ++l) acc += a_row[l] * b_rows[j * k + l];
-        const float value = acc * alpha;
+        sums[j] = acc;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const float value = sums[j] * alpha;
         const int64_t flat = (b * m + i) * n + j;
         if (out_type == ffi::DataType::F32) {
           static_cast<float*>(out->untyped_data())[flat] = value;
