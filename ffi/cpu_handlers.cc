@@ -219,6 +219,16 @@ ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
   return ffi::Error::Success();
 }
 
+// out[flat] = value, rounded to out's type (float32 or bfloat16).
+void StoreFloat(ffi::AnyBuffer& out, int64_t flat, float value) {
+  if (out.element_type() == ffi::DataType::F32) {
+    static_cast<float*>(out.untyped_data())[flat] = value;
+  } else {
+    static_cast<uint16_t*>(out.untyped_data())[flat] =
+        FloatToBfloat16Bits(value);
+  }
+}
+
 // out[b, r, l] = e2m1(code) * s_b * amax / 2688, as float32 or bfloat16.
 ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
                           ffi::Buffer<ffi::F32> amax,
@@ -235,8 +245,8 @@ ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
       batch % n_amax != 0) {
     return InvalidArgument("dequantize operands have inconsistent shapes");
   }
-  const ffi::DataType out_type = out->element_type();
-  if (out_type != ffi::DataType::F32 && out_type != ffi::DataType::BF16) {
+  if (const ffi::DataType t = out->element_type();
+      t != ffi::DataType::F32 && t != ffi::DataType::BF16) {
     return InvalidArgument("dequantize output must be float32 or bfloat16");
   }
   const uint8_t* scale_bytes =
@@ -251,12 +261,7 @@ ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
             BlockDecodeMultiplier(E4M3Decode(scale_bytes[flat / kBlock]), a);
         const uint32_t code = (code_bytes[flat / 2] >> (4 * (flat & 1))) & 0xF;
         const float value = E2M1Decode(code) * multiplier;
-        if (out_type == ffi::DataType::F32) {
-          static_cast<float*>(out->untyped_data())[flat] = value;
-        } else {
-          static_cast<uint16_t*>(out->untyped_data())[flat] =
-              FloatToBfloat16Bits(value);
-        }
+        StoreFloat(*out, flat, value);
       }
     }
   }
@@ -295,8 +300,8 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
        static_cast<int64_t>(b_amax.element_count()) != b_batch)) {
     return InvalidArgument("matmul operands have inconsistent shapes");
   }
-  const ffi::DataType out_type = out->element_type();
-  if (out_type != ffi::DataType::F32 && out_type != ffi::DataType::BF16) {
+  if (const ffi::DataType t = out->element_type();
+      t != ffi::DataType::F32 && t != ffi::DataType::BF16) {
     return InvalidArgument("matmul output must be float32 or bfloat16");
   }
   const uint8_t* as = static_cast<const uint8_t*>(a_scales.untyped_data());
@@ -353,12 +358,7 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
       for (int64_t j = 0; j < n; ++j) {
         const float value = sums[j] * alpha;
         const int64_t flat = (b * m + i) * n + j;
-        if (out_type == ffi::DataType::F32) {
-          static_cast<float*>(out->untyped_data())[flat] = value;
-        } else {
-          static_cast<uint16_t*>(out->untyped_data())[flat] =
-              FloatToBfloat16Bits(value);
-        }
+        StoreFloat(*out, flat, value);
       }
     }
   }

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax_nvfp4.gemm import matmul
 from jax_nvfp4.quantize import (
     global_amax,
+    implementation_ops,
     key_words,
     quantize,
     quantize_rowwise_and_columnwise,
@@ -108,49 +109,58 @@ def _token_sharding(a2, axis_name):
 
 
 def _shard_amaxes(a2, rht, axis_name, implementation):
-    """(plain amax, token-axis RHT amax) of the whole token-sharded tensor."""
+    """(plain amax, token-axis RHT amax) of the whole token-sharded tensor;
+    one read of a2 and one collective."""
     names = _axis_names(axis_name)
     if not names:
         return None, None
-    plain = jax.lax.pmax(global_amax(a2), names)
     if not rht:
+        plain = jax.lax.pmax(global_amax(a2), names)
         return plain, plain
-    col = global_amax(a2, 0, rht=True, implementation=implementation)
-    return plain, jax.lax.pmax(col, names)
+    ops = implementation_ops(implementation)
+    both = ops.amax(a2.reshape(1, *a2.shape), rht_axis=1)[0]  # (plain, RHT)
+    both = jax.lax.pmax(both, names)
+    return both[0], both[1]
 
 
-def _quantize_x(x2, recipe: Recipe, axis_name=None):
-    """x [T, K]: (row-wise along K for FPROP, column-wise along T for WGRAD)."""
+def _quantize_tokens(
+    a2, recipe: Recipe, *, rows, cols, rounding="nearest", key=None, axis_name=None
+):
+    """a [T, F] (x or dY): row-wise along F (1x16) if ``rows``; column-wise
+    along T if ``cols`` (the recipe's RHT, stream 1), T zero-padded to a
+    multiple of 16; one fused pass when both."""
     impl = recipe.implementation
-    place = _token_sharding(x2, axis_name)
-    row_amax, col_amax = _shard_amaxes(x2, recipe.rht and recipe.wgrad, axis_name, impl)
-    if recipe.fprop and recipe.wgrad:
+    place = _token_sharding(a2, axis_name)
+    row_amax, col_amax = _shard_amaxes(a2, recipe.rht and cols, axis_name, impl)
+    padded = _pad_tokens(a2, a2.shape[0])
+    common = dict(key=key, implementation=impl, _place=place)
+    if rows and cols:
         return quantize_rowwise_and_columnwise(
-            _pad_tokens(x2, x2.shape[0]),
+            padded,
+            row_rounding=rounding,
+            col_rounding=rounding,
             col_rht=recipe.rht,
             row_amax=row_amax,
             col_amax=col_amax,
-            implementation=impl,
-            _place=place,
+            **common,
         )
-    rows = (
-        quantize(x2, -1, amax=row_amax, implementation=impl, _place=place)
-        if recipe.fprop
-        else None
+    along_f = (
+        quantize(a2, -1, rounding=rounding, amax=row_amax, **common) if rows else None
     )
-    cols = (
+    along_t = (
         quantize(
-            _pad_tokens(x2, x2.shape[0]),
+            padded,
             0,
             rht=recipe.rht,
+            rounding=rounding,
             amax=col_amax,
-            implementation=impl,
-            _place=place,
+            stream=1,
+            **common,
         )
-        if recipe.wgrad
+        if cols
         else None
     )
-    return rows, cols
+    return along_f, along_t
 
 
 def _quantize_w(w, recipe: Recipe):
@@ -167,58 +177,6 @@ def _quantize_w(w, recipe: Recipe):
     return along_k, along_n
 
 
-def _quantize_dy(dy2, words, recipe: Recipe, axis_name=None):
-    """dy [T, N]: (along N for DGRAD, along T with RHT for WGRAD)."""
-    rounding = "stochastic" if recipe.stochastic_rounding else "nearest"
-    impl = recipe.implementation
-    key = words[0] if recipe.stochastic_rounding else None
-    place = _token_sharding(dy2, axis_name)
-    row_amax, col_amax = _shard_amaxes(
-        dy2, recipe.rht and recipe.wgrad, axis_name, impl
-    )
-    if recipe.dgrad and recipe.wgrad:
-        return quantize_rowwise_and_columnwise(
-            _pad_tokens(dy2, dy2.shape[0]),
-            row_rounding=rounding,
-            col_rounding=rounding,
-            col_rht=recipe.rht,
-            key=key,
-            row_amax=row_amax,
-            col_amax=col_amax,
-            implementation=impl,
-            _place=place,
-        )
-    rows = (
-        quantize(
-            dy2,
-            -1,
-            rounding=rounding,
-            key=key,
-            amax=row_amax,
-            implementation=impl,
-            _place=place,
-        )
-        if recipe.dgrad
-        else None
-    )
-    cols = (
-        quantize(
-            _pad_tokens(dy2, dy2.shape[0]),
-            0,
-            rht=recipe.rht,
-            rounding=rounding,
-            key=key,
-            stream=1,
-            amax=col_amax,
-            implementation=impl,
-            _place=place,
-        )
-        if recipe.wgrad
-        else None
-    )
-    return rows, cols
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dot2(x2, w, words, recipe, static):
     out, _ = _dot2_fwd(x2, w, words, recipe, static)
@@ -229,7 +187,9 @@ def _dot2_fwd(x2, w, words, recipe, static):
     """static: (input dtype, output dtype, axis_name)."""
     _, out_dtype, axis_name = static
     tokens = x2.shape[0]
-    x_rows, x_cols = _quantize_x(x2, recipe, axis_name)
+    x_rows, x_cols = _quantize_tokens(
+        x2, recipe, rows=recipe.fprop, cols=recipe.wgrad, axis_name=axis_name
+    )
     w_along_k, w_along_n = _quantize_w(w, recipe)
     if recipe.fprop:
         out = matmul(x_rows, w_along_k, out_dtype=jnp.float32)[:tokens]
@@ -250,7 +210,15 @@ def _dot2_bwd(recipe, static, residuals, dy):
     in_dtype, _, axis_name = static
     x_saved, w_saved, words = residuals
     tokens = dy.shape[0]
-    dy_rows, dy_cols = _quantize_dy(dy, words, recipe, axis_name)
+    dy_rows, dy_cols = _quantize_tokens(
+        dy,
+        recipe,
+        rows=recipe.dgrad,
+        cols=recipe.wgrad,
+        rounding="stochastic" if recipe.stochastic_rounding else "nearest",
+        key=words[0] if recipe.stochastic_rounding else None,
+        axis_name=axis_name,
+    )
     if recipe.dgrad:
         dx = matmul(dy_rows, w_saved, out_dtype=jnp.float32)[:tokens]
     else:

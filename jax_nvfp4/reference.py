@@ -231,70 +231,42 @@ def _quantize_oriented(
     return packed, scales
 
 
-def _origin(origin):
-    return jnp.zeros(3, jnp.int32) if origin is None else origin
+def _quantize_placed(x, amax, key, origin, transposed, global_m, global_k, **options):
+    """x [b, m, k] quantized along k (or, ``transposed``, along m), placed at
+    ``origin`` (int32 [3]: b0, m0, k0) in a tensor of global m and k for the
+    stochastic-rounding index (defaults: x is the whole tensor)."""
+    _, m, k = x.shape
+    o = jnp.zeros(3, jnp.int32) if origin is None else origin
+    q = x.astype(jnp.float32)
+    global_shape = (global_m or m, global_k or k)
+    if transposed:
+        q, o, global_shape = (
+            jnp.swapaxes(q, 1, 2),
+            o[jnp.array([0, 2, 1])],
+            global_shape[::-1],
+        )
+    return _quantize_oriented(
+        q, amax, key, origin=o, global_shape=global_shape, **options
+    )
 
 
 def quantize_rows(
-    x,
-    amax,
-    key,
-    origin=None,
-    *,
-    tile_rows,
-    stochastic,
-    rht,
-    stream,
-    global_m=None,
-    global_k=None,
+    x, amax, key, origin=None, *, global_m=None, global_k=None, **options
 ):
     """x [b, m, k] -> (codes [b, m, k/2], scales [b, m, k/16]) along k.
 
-    ``origin`` (int32 [3]: b0, m0, k0) and ``global_m``/``global_k`` place x
-    in a larger tensor for the stochastic-rounding index (default: x is all).
+    options: tile_rows, stochastic, rht, stream. ``origin`` and
+    ``global_m``/``global_k`` place x in a larger tensor (see
+    ``random_bytes``).
     """
-    _, m, k = x.shape
-    o = _origin(origin)
-    return _quantize_oriented(
-        x.astype(jnp.float32),
-        amax,
-        key,
-        tile_rows=tile_rows,
-        stochastic=stochastic,
-        rht=rht,
-        stream=stream,
-        origin=o,
-        global_shape=(global_m or m, global_k or k),
-    )
+    return _quantize_placed(x, amax, key, origin, False, global_m, global_k, **options)
 
 
 def quantize_cols(
-    x,
-    amax,
-    key,
-    origin=None,
-    *,
-    tile_rows,
-    stochastic,
-    rht,
-    stream,
-    global_m=None,
-    global_k=None,
+    x, amax, key, origin=None, *, global_m=None, global_k=None, **options
 ):
     """x [b, m, k] -> (codes [b, k, m/2], scales [b, k, m/16]) along m."""
-    _, m, k = x.shape
-    o = _origin(origin)
-    return _quantize_oriented(
-        jnp.swapaxes(x.astype(jnp.float32), 1, 2),
-        amax,
-        key,
-        tile_rows=tile_rows,
-        stochastic=stochastic,
-        rht=rht,
-        stream=stream,
-        origin=o[jnp.array([0, 2, 1])],
-        global_shape=(global_k or k, global_m or m),
-    )
+    return _quantize_placed(x, amax, key, origin, True, global_m, global_k, **options)
 
 
 def quantize_rows_cols(
