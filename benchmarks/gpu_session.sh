@@ -3,7 +3,7 @@
 # the quantize and linear benchmarks, compute-sanitizer memcheck + racecheck
 # (each step time-boxed). Results land in $OUT.
 #   bash benchmarks/gpu_session.sh [tests-to-run]
-# SKIP_QUANTIZE_BENCH=1 / SKIP_SANITIZER=1 leave those steps out; LINEAR_SHAPES,
+# SKIP_QUANTIZE_BENCH=1 / SKIP_LINEAR_BENCH=1 / SKIP_SANITIZER=1 leave those steps out; LINEAR_SHAPES,
 # SANITIZERS ("memcheck racecheck") and PYTEST_TIMEOUT narrow a short call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -23,9 +23,11 @@ grep -E "cuBLASLt|Blackwell" "$OUT/build.log" | head -4
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $tests 2>&1 | tee "$OUT/pytest.txt" | tail -8
 [ -n "${SKIP_QUANTIZE_BENCH:-}" ] || timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
+if [ -z "${SKIP_LINEAR_BENCH:-}" ]; then
 mkdir -p "$OUT/hlo"
 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" --hlo-dir "$OUT/hlo" \
   --linear "${LINEAR_SHAPES:-8192x4096x14336,16384x8192x28672}" 2>&1 | tee "$OUT/linear_bench.txt" | tail -30
+fi
 [ -n "${SKIP_SANITIZER:-}" ] && exit 0
 for tool in ${SANITIZERS:-memcheck racecheck}; do
   timeout "${SANITIZER_TIMEOUT:-100}" compute-sanitizer --tool $tool python3 tests/sanitizer_smoke.py > "$OUT/sanitizer_$tool.txt" 2>&1
