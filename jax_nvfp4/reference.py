@@ -21,6 +21,7 @@ __all__ = [
     "abs_max",
     "amax",
     "dequantize",
+    "divide",
     "global_scale",
     "matmul",
     "matmul_dequantize_bf16",
@@ -58,11 +59,71 @@ def abs_max(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(jnp.isnan(a), _F32(0), a), initial=_F32(0))
 
 
+def divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a / b in float32, correctly rounded (IEEE, nearest even) on every backend.
+
+    XLA:GPU lowers float32 division to an approximation that is up to 1-2 ulp
+    off (div.full.f32), and one ulp in a scale flips the E2M1 rounding of a
+    value at a tie. So the twin divides the significands with integer long
+    division: 24 quotient bits, then rounding on the remainder (subnormal
+    results rounded at their own bit position).
+    """
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    ua, ub = _bits(a), _bits(b)
+    sign = (ua ^ ub) & _u32(0x80000000)
+
+    def unpack(u):
+        """(significand in [2^23, 2^24), unbiased-by-127 exponent) of u != 0."""
+        e = ((u >> 23) & _u32(0xFF)).astype(jnp.int32)
+        f = u & _u32(0x7FFFFF)
+        shift = lax.clz(f).astype(jnp.int32) - 8  # subnormals: normalize
+        m = jnp.where(e == 0, f << shift.astype(jnp.uint32), f | _u32(0x800000))
+        return m, jnp.where(e == 0, 1 - shift, e)
+
+    ma, xa = unpack(ua)
+    mb, xb = unpack(ub)
+    below = ma < mb
+    r = jnp.where(below, ma << 1, ma)  # r / mb in [1, 2)
+    e = xa - xb + 127 - below.astype(jnp.int32)  # biased exponent, if normal
+    q = jnp.zeros_like(r)
+    for _ in range(24):
+        bit = r >= mb
+        q = (q << 1) | bit.astype(jnp.uint32)
+        r = (jnp.where(bit, r - mb, r)) << 1  # twice the remainder
+    exact = r == 0
+    # Normal result: round on the remainder (r vs mb is 2*rem vs mb).
+    up = (r > mb) | ((r == mb) & ((q & 1) == 1))
+    qn = q + up.astype(jnp.uint32)
+    carry = qn >> 24
+    e_n = e + carry.astype(jnp.int32)
+    qn = jnp.where(carry == 1, qn >> 1, qn)
+    normal = (e_n.astype(jnp.uint32) << 23) | (qn & _u32(0x7FFFFF))
+    normal = jnp.where(e_n >= 255, _u32(0x7F800000), normal)
+    # Subnormal result (e <= 0): keep q >> s, s = 1 - e, round on the dropped
+    # bits and the remainder.
+    s = jnp.clip(1 - e, 1, 26).astype(jnp.uint32)
+    kept = q >> s
+    dropped = q & ((_u32(1) << s) - 1)
+    half = _u32(1) << (s - 1)
+    up_s = (dropped > half) | ((dropped == half) & (~exact | ((kept & 1) == 1)))
+    subnormal = kept + up_s.astype(jnp.uint32)
+    # Zeros, infinities and NaN, told apart on the bits (XLA:CPU compares
+    # subnormals as zero).
+    abs_a, abs_b = ua & _u32(0x7FFFFFFF), ub & _u32(0x7FFFFFFF)
+    inf_bits = _u32(0x7F800000)
+    nan = (abs_a > inf_bits) | (abs_b > inf_bits)
+    nan = nan | ((abs_a == 0) & (abs_b == 0)) | ((abs_a == inf_bits) & (abs_b == inf_bits))
+    out_bits = sign | jnp.where(e >= 1, normal, subnormal)
+    out_bits = jnp.where((abs_a == 0) | (abs_b == inf_bits), sign, out_bits)
+    out_bits = jnp.where((abs_a == inf_bits) | (abs_b == 0), sign | inf_bits, out_bits)
+    return _float(jnp.where(nan, _u32(0x7FC00000), out_bits))
+
+
 def global_scale(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(S_enc, S_dec) from a float32 amax: S_enc = 2688 / amax, guarded."""
-    s_enc = jnp.fmin(_F32(SCALE_RANGE) / amax, FLT_MAX)
+    s_enc = jnp.fmin(divide(_F32(SCALE_RANGE), amax), FLT_MAX)
     s_enc = jnp.where((amax == 0) | (s_enc == 0), _F32(1), s_enc)
-    return s_enc, _F32(1) / s_enc
+    return s_enc, divide(_F32(1), s_enc)
 
 
 def e4m3_round_satfinite(v: jax.Array) -> jax.Array:
@@ -116,7 +177,8 @@ def e2m1_round_stochastic(v: jax.Array, random_byte: jax.Array) -> jax.Array:
     u = random_byte.astype(jnp.float32) * _F32(1 / 256)
     t = a + u * _e2m1_step(a)
     step_t = _e2m1_step(t)
-    q = jnp.fmin(jnp.floor(t * (_F32(1) / step_t)) * step_t, _F32(6))
+    inv_step_t = jnp.where(t < 2, _F32(2), jnp.where(t < 4, _F32(1), _F32(0.5)))
+    q = jnp.fmin(jnp.floor(t * inv_step_t) * step_t, _F32(6))
     index = jnp.where(
         q < 2, q * 2, jnp.where(q < 4, q + 2, jnp.where(q == 4, _F32(6), _F32(7)))
     ).astype(jnp.uint8)
@@ -216,7 +278,7 @@ def _quantize_oriented(
     scale = e4m3_round_satfinite(
         jnp.fmin(block_amax * (s_enc * ONE_SIXTH)[bcast], FLT_MAX)
     )
-    multiplier = jnp.fmin(_F32(1) / (scale * s_dec[bcast]), FLT_MAX)
+    multiplier = jnp.fmin(divide(_F32(1), scale * s_dec[bcast]), FLT_MAX)
     v = tiles * multiplier[:, :, None, :, None]
     if stochastic:
         rnd = random_bytes(key, q.shape, stream, origin, global_shape)
@@ -356,7 +418,7 @@ def _decode_unscaled(codes, scales):
 def _gemm_alpha(a_amax, b_amax):
     """alpha [b or 1, 1, 1] = (amax_a / 2688) * (amax_b / 2688), float32."""
     r = _F32(SCALE_RANGE)
-    return ((a_amax / r) * (b_amax / r)).reshape(-1, 1, 1)
+    return (divide(a_amax, r) * divide(b_amax, r)).reshape(-1, 1, 1)
 
 
 def matmul(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):

@@ -75,6 +75,33 @@ def test_handler_element_rounding_at_unit_scale():
     np.testing.assert_array_equal(decoded, want)
 
 
+def _float32_bit_patterns(rng, n):
+    """Random float32 bit patterns, rich in subnormals, zeros and extremes."""
+    u = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    kind = rng.integers(0, 6, n)
+    u = np.where(kind == 0, u & np.uint32(0x807FFFFF), u)  # subnormal
+    u = np.where(kind == 1, (u & np.uint32(0x80FFFFFF)) | np.uint32(0x800000), u)
+    u = np.where(kind == 2, u & np.uint32(0x80000000), u)  # +-0
+    u = np.where(kind == 3, (u & np.uint32(0x807FFFFF)) | np.uint32(0x7F000000), u)
+    return u.view(np.float32)
+
+
+def test_reference_division_is_correctly_rounded():
+    """The twin's division is IEEE on the default backend (XLA:GPU's own
+    float32 division is not), so its scales match the handlers' everywhere."""
+    rng = np.random.default_rng(0)
+    a = _float32_bit_patterns(rng, 1 << 18)
+    b = _float32_bit_patterns(rng, 1 << 18)
+    a[:4], b[:4] = [2688, 1, 1, np.inf], [418, 6.219_047_6, np.inf, np.inf]
+    with np.errstate(all="ignore"):
+        want = a / b
+    got = np.asarray(jax.jit(ref.divide)(a, b))
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (
+        np.isnan(got) & np.isnan(want)
+    )
+    assert same.all(), (a[~same][:4], b[~same][:4], got[~same][:4], want[~same][:4])
+
+
 def test_threefry_matches_jax_random():
     key = jax.random.key_data(jax.random.key(42))
     c0 = jnp.arange(64, dtype=jnp.uint32) * 77

@@ -184,6 +184,8 @@ def test_explicit_amax_is_used():
 def test_handlers_are_used():
     """The default path is the custom call, not the reference fallback."""
     x = jnp.ones((16, 32), jnp.float32)
-    hlo = jax.jit(nv.quantize).lower(x).as_text()
+    # The compiled module: custom_partitioning may keep the handler behind a
+    # partitioner call in the lowered one (it does on the GPU with jax 0.11).
+    hlo = jax.jit(nv.quantize).lower(x).compile().as_text()
     assert "jax_nvfp4_quantize_rows" in hlo
     assert "cpu" in nv.available_platforms()
