@@ -17,6 +17,16 @@ def has_gpu() -> bool:
         return False
 
 
+def pytest_report_header(config):
+    import jax_nvfp4 as nv
+    from jax_nvfp4 import _ffi_registry
+
+    return (
+        f"jax {jax.__version__}, devices {jax.devices()}; jax_nvfp4 handlers on "
+        f"{sorted(nv.available_platforms())} from {_ffi_registry.handler_source()}"
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     if has_gpu():
         return

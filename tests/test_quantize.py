@@ -182,10 +182,20 @@ def test_explicit_amax_is_used():
 
 
 def test_handlers_are_used():
-    """The default path is the custom call, not the reference fallback."""
+    """The default path is the custom call, not the reference fallback, and
+    on a GPU machine the CUDA handlers are loaded (a package imported from a
+    source tree without the built extension silently runs the twin)."""
+    from conftest import has_gpu
+
+    from jax_nvfp4 import _ffi_registry
+
+    assert "cpu" in nv.available_platforms(), _ffi_registry.handler_source()
+    if has_gpu():
+        assert "cuda" in nv.available_platforms(), (
+            f"a GPU is present but the CUDA handlers are not loaded from "
+            f"{_ffi_registry.handler_source()}: build with JAX_NVFP4_CUDA=ON and run pytest "
+            "outside the source tree (python -P -m pytest, or the pytest command)"
+        )
     x = jnp.ones((16, 32), jnp.float32)
-    # The compiled module: custom_partitioning may keep the handler behind a
-    # partitioner call in the lowered one (it does on the GPU with jax 0.11).
     hlo = jax.jit(nv.quantize).lower(x).compile().as_text()
     assert "jax_nvfp4_quantize_rows" in hlo
-    assert "cpu" in nv.available_platforms()
