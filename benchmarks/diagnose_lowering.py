@@ -1,6 +1,6 @@
 """Which custom calls does each jitted quantize compile to on this backend?
 
-    python benchmarks/diagnose_lowering.py
+python benchmarks/diagnose_lowering.py
 """
 
 import re
@@ -19,7 +19,10 @@ def targets(text):
 
 
 def main():
-    print("registered:", {k: sorted(v) for k, v in _ffi_registry.registered_targets().items()})
+    print(
+        "registered:",
+        {k: sorted(v) for k, v in _ffi_registry.registered_targets().items()},
+    )
     cases = {
         "rows": lambda x: nv.quantize(x),
         "rows_amax_given": lambda x: nv.quantize(x, amax=jnp.float32(1.0)),
@@ -31,8 +34,14 @@ def main():
         x = jnp.ones(shape, jnp.float32)
         for name, fn in cases.items():
             lowered = jax.jit(fn).lower(x)
-            print(shape, name, "lowered:", targets(lowered.as_text()),
-                  "compiled:", targets(lowered.compile().as_text()))
+            print(
+                shape,
+                name,
+                "lowered:",
+                targets(lowered.as_text()),
+                "compiled:",
+                targets(lowered.compile().as_text()),
+            )
 
 
 if __name__ == "__main__":

@@ -83,7 +83,9 @@ def main():
         want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
             *(jax.device_put(a, cpu) for a in (jnp.asarray(x), w, g))
         )
-    for name, a, b in zip(("loss", "dx", "dw"), jax.tree.leaves(got), jax.tree.leaves(want)):
+    for name, a, b in zip(
+        ("loss", "dx", "dw"), jax.tree.leaves(got), jax.tree.leaves(want)
+    ):
         a, b = np.asarray(a), np.asarray(b)
         bad = np.argwhere(~np.isclose(a, b, rtol=2e-5, atol=2e-5 * np.abs(b).max()))
         print(f"GPU ffi vs CPU ffi {name}: {len(bad)} differ", bad[:4].tolist())

@@ -22,13 +22,17 @@ def main():
     parser.add_argument("--shape", default="8192x4096")
     m, k = map(int, parser.parse_args().shape.split("x"))
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
-    amaxes = dict(row_amax=nv.global_amax(x), col_amax=nv.global_amax(x, axis=0, rht=True))
+    amaxes = dict(
+        row_amax=nv.global_amax(x), col_amax=nv.global_amax(x, axis=0, rht=True)
+    )
     key = jax.random.key(1)
     for name, options in (
         ("x", dict(col_rht=True)),
         ("dy", dict(col_rht=True, col_rounding="stochastic", key=key)),
     ):
-        fn = jax.jit(lambda x, o=options: nv.quantize_rowwise_and_columnwise(x, **o, **amaxes))
+        fn = jax.jit(
+            lambda x, o=options: nv.quantize_rowwise_and_columnwise(x, **o, **amaxes)
+        )
         jax.block_until_ready(fn(x))
         print(name, "done")
 

@@ -68,7 +68,9 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
     division: 24 quotient bits, then rounding on the remainder (subnormal
     results rounded at their own bit position).
     """
-    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    a, b = jnp.broadcast_arrays(
+        jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    )
     ua, ub = _bits(a), _bits(b)
     sign = (ua ^ ub) & _u32(0x80000000)
 
@@ -112,7 +114,11 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
     abs_a, abs_b = ua & _u32(0x7FFFFFFF), ub & _u32(0x7FFFFFFF)
     inf_bits = _u32(0x7F800000)
     nan = (abs_a > inf_bits) | (abs_b > inf_bits)
-    nan = nan | ((abs_a == 0) & (abs_b == 0)) | ((abs_a == inf_bits) & (abs_b == inf_bits))
+    nan = (
+        nan
+        | ((abs_a == 0) & (abs_b == 0))
+        | ((abs_a == inf_bits) & (abs_b == inf_bits))
+    )
     out_bits = sign | jnp.where(e >= 1, normal, subnormal)
     out_bits = jnp.where((abs_a == 0) | (abs_b == inf_bits), sign, out_bits)
     out_bits = jnp.where((abs_a == inf_bits) | (abs_b == 0), sign | inf_bits, out_bits)
