@@ -84,7 +84,7 @@ def main():
             *(jax.device_put(a, cpu) for a in (jnp.asarray(x), w, g))
         )
     for name, a, b in zip(
-        ("loss", "dx", "dw"), jax.tree.leaves(got), jax.tree.leaves(want)
+        ("loss", "dx", "dw"), jax.tree.leaves(got), jax.tree.leaves(want), strict=True
     ):
         a, b = np.asarray(a), np.asarray(b)
         bad = np.argwhere(~np.isclose(a, b, rtol=2e-5, atol=2e-5 * np.abs(b).max()))

@@ -193,8 +193,9 @@ def test_handlers_are_used():
     if has_gpu():
         assert "cuda" in nv.available_platforms(), (
             f"a GPU is present but the CUDA handlers are not loaded from "
-            f"{_ffi_registry.handler_source()}: build with JAX_NVFP4_CUDA=ON and run pytest "
-            "outside the source tree (python -P -m pytest, or the pytest command)"
+            f"{_ffi_registry.handler_source()}: build with JAX_NVFP4_CUDA=ON and "
+            "run pytest outside the source tree (python -P -m pytest, or the "
+            "pytest command)"
         )
     x = jnp.ones((16, 32), jnp.float32)
     hlo = jax.jit(nv.quantize).lower(x).compile().as_text()
