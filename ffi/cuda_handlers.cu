@@ -23,6 +23,7 @@
 #include <cstring>
 #include <string>
 
+#include "cuda_fast_numerics.cuh"
 #include "handler_common.h"
 #include "nvfp4_numerics.h"
 #include "xla/ffi/api/ffi.h"
@@ -147,165 +148,6 @@ __device__ __forceinline__ void WordsToFloats(const uint32_t (&w)[kWords<T>],
 }
 
 // ---------------------------------------------------------------------------
-// Fast forms of the per-element arithmetic of nvfp4_numerics.h.
-//
-// These kernels are bound by instruction issue, mostly on the integer/compare
-// pipe (half rate on Hopper) and the conversion pipe (quarter rate). The
-// header's E2M1RoundNearest / E2M1RoundStochastic take the minimum of three
-// candidate indices made with rintf / floorf and a float -> int conversion:
-// four conversion-pipe instructions (FRND x3, F2I) per element, plus a NaN
-// select and a sign extraction. The forms below compute the same minimum with
-// the integer rounding done by adding m = 2^23 + 8 * sign(v) (FMA pipe): the
-// sum rounds a * 2^k to an integer (round to nearest even, or toward zero
-// with the _rz forms, as rintf / floorf do for a >= 0) and its low 4 bits
-// are then the code, sign included. They equal the header functions for
-// every non-NaN input -- checked exhaustively on an H200, all 2^32 float bit
-// patterns (x all 256 random bytes for stochastic rounding) -- and a block
-// whose scaled values hold a NaN (found by one sum over the block) is left to
-// the header's own EncodeBlock16.
-//
-// RandomHadamard16Fast is the header's RandomHadamard16 (its
-// HadamardButterfly16, then the rounding to bfloat16) with the final rounding
-// to bfloat16 done by cvt.rn.bf16x2.f32, which equals RoundToBfloat16 for every
-// non-NaN float (checked exhaustively). A NaN stays a NaN with another
-// payload, which no output can show: amax ignores NaN and a block holding a
-// NaN is encoded by the header's EncodeBlock16 (NaN -> kNanCode).
-//
-// Building with -DJAX_NVFP4_CUDA_HEADER_ARITHMETIC uses the header's
-// EncodeBlock16 and RandomHadamard16 verbatim instead (same bytes, slower).
-// ---------------------------------------------------------------------------
-#if !defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
-constexpr float kTwo23 = 8388608.0f;  // 2^23: integers are exact below 2^24
-
-// 2^23 + 8 * sign(v): the code offset of v.
-__device__ __forceinline__ float CodeOffset(float v) {
-  return __fsub_rn(kTwo23 + 4.0f, copysignf(4.0f, v));
-}
-
-// min(candidates, cap) -> bits 0x4B000000 + code.
-__device__ __forceinline__ uint32_t CodeBits(float g1, float g2, float g3,
-                                             float m) {
-  return FloatBits(fminf(fminf(g1, g2), fminf(g3, __fadd_rn(m, 7.0f))));
-}
-
-// E2M1RoundNearest(v) for non-NaN v, as 0x4B000000 + code.
-__device__ __forceinline__ uint32_t NearestCodeBits(float v) {
-  const float a = fabsf(v);
-  const float m = CodeOffset(v);
-  const float g1 = __fmaf_rn(a, 2.0f, m);                   // m + rne(2a)
-  const float g2 = __fadd_rn(__fadd_rn(a, m), 2.0f);        // m + rne(a) + 2
-  const float g3 = __fadd_rn(__fmaf_rn(a, 0.5f, m), 4.0f);  // m + rne(a/2) + 4
-  return CodeBits(g1, g2, g3, m);
-}
-
-// E2M1RoundStochastic(v, byte) for non-NaN v, as 0x4B000000 + code;
-// `byte_as_float` is float(byte).
-__device__ __forceinline__ uint32_t StochasticCodeBits(float v,
-                                                       float byte_as_float) {
-  const float a = fabsf(v);
-  // t exactly as in E2M1RoundStochastic: u * step(a) = byte * (step(a) / 256)
-  // is exact either way, and t = a + (that) is the one rounding.
-  const float t =
-      __fadd_rn(a, __fmul_rn(byte_as_float, E2M1Step(a) * (1.0f / 256.0f)));
-  const float m = CodeOffset(v);
-  const float h1 = __fmaf_rz(t, 2.0f, m);             // m + floor(2t)
-  const float h2 = __fadd_rn(__fadd_rz(t, m), 2.0f);  // m + floor(t) + 2
-  const float h3 =
-      __fadd_rn(__fmaf_rz(t, 0.5f, m), 4.0f);  // m + floor(t/2) + 4
-  return CodeBits(h1, h2, h3, m);
-}
-
-// float(byte k of word), exact: the byte in the mantissa of 2^23.
-__device__ __forceinline__ float ByteAsFloat(uint32_t word, int k) {
-  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650u + k)) - kTwo23;
-}
-
-// Blocks that hold a NaN: the header's EncodeBlock16, out of line (the
-// values travel by value, in registers).
-struct Block16 {
-  float v[kBlock];
-};
-
-__device__ __noinline__ uint64_t EncodeBlock16WithNan(Block16 block,
-                                                      float encode_multiplier,
-                                                      bool stochastic,
-                                                      uint64_t random_lo,
-                                                      uint64_t random_hi) {
-  return EncodeBlock16(block.v, encode_multiplier, stochastic, random_lo,
-                       random_hi);
-}
-#endif  // !JAX_NVFP4_CUDA_HEADER_ARITHMETIC
-
-// EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi).
-__device__ __forceinline__ uint64_t EncodeBlock16Fast(const float (&v)[kBlock],
-                                                      float encode_multiplier,
-                                                      bool stochastic,
-                                                      uint64_t random_lo,
-                                                      uint64_t random_hi) {
-#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
-  return EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi);
-#else
-  float scaled[kBlock];
-#pragma unroll
-  for (int i = 0; i < kBlock; ++i) scaled[i] = v[i] * encode_multiplier;
-  // NaN if an element is NaN (or holds +inf and -inf: also the slow path).
-  float probe[kBlock / 2];
-#pragma unroll
-  for (int i = 0; i < kBlock / 2; ++i) probe[i] = scaled[i] + scaled[i + 8];
-#pragma unroll
-  for (int n = kBlock / 4; n > 0; n /= 2) {
-#pragma unroll
-    for (int i = 0; i < n; ++i) probe[i] = probe[i] + probe[i + n];
-  }
-  if (probe[0] != probe[0]) {
-    Block16 block;
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) block.v[i] = v[i];
-    return EncodeBlock16WithNan(block, encode_multiplier, stochastic, random_lo,
-                                random_hi);
-  }
-  // Codes as bits 0x4B000000 + code, packed with multiply-adds; the 0x4B of
-  // elements 0 and 1 (the rest shift out) is subtracted at the end.
-  constexpr uint32_t kPackedOffset = 0x4B000000u + (0x4B000000u << 4);
-  uint32_t half[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < kBlock; ++i) {
-    uint32_t bits;
-    if (stochastic) {
-      const uint64_t bytes = i < 8 ? random_lo : random_hi;
-      const uint32_t word =
-          static_cast<uint32_t>(bytes >> (32 * ((i >> 2) & 1)));
-      bits = StochasticCodeBits(scaled[i], ByteAsFloat(word, i & 3));
-    } else {
-      bits = NearestCodeBits(scaled[i]);
-    }
-    half[i >> 3] += bits << (4 * (i & 7));
-  }
-  return static_cast<uint64_t>(half[0] - kPackedOffset) |
-         (static_cast<uint64_t>(half[1] - kPackedOffset) << 32);
-#endif
-}
-
-// RandomHadamard16 with the bfloat16 rounding in hardware (see above).
-__device__ __forceinline__ void RandomHadamard16Fast(const float (&x)[kBlock],
-                                                     float (&y)[kBlock]) {
-#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
-  RandomHadamard16(x, y);
-#else
-  float z[kBlock];
-  HadamardButterfly16(x, z);
-  // RoundToBfloat16 of each result, two per instruction.
-#pragma unroll
-  for (int i = 0; i < kBlock; i += 2) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(z[i], z[i + 1]);
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(&b);
-    y[i] = BitsToFloat(w << 16);
-    y[i + 1] = BitsToFloat(w & 0xFFFF0000u);
-  }
-#endif
-}
-
-// ---------------------------------------------------------------------------
 // One quantized output: where it goes and how it is produced.
 // ---------------------------------------------------------------------------
 struct OutputArgs {
@@ -332,7 +174,8 @@ struct KeyArgs {
 
 // fmaxf over fabsf(v[i]) from 0.0f; a tree (the maximum of values >= +0,
 // NaN ignored, does not depend on the order).
-__device__ __forceinline__ float BlockAmax(const float (&v)[kBlock]) {
+__device__ __forceinline__ float BlockAmaxIgnoringNan(
+    const float (&v)[kBlock]) {
   float a[kBlock / 2];
 #pragma unroll
   for (int i = 0; i < kBlock / 2; ++i) {
@@ -344,6 +187,34 @@ __device__ __forceinline__ float BlockAmax(const float (&v)[kBlock]) {
     for (int i = 0; i < n; ++i) a[i] = fmaxf(a[i], a[i + n]);
   }
   return a[0];
+}
+
+__device__ __forceinline__ float MaxPropagatingNan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+struct BlockMax {
+  float amax;    // max |v[i]|, NaN ignored
+  bool has_nan;  // some v[i] is NaN
+};
+
+// The block's amax and whether it holds a NaN, with one NaN-propagating
+// maximum tree (the NaN-ignoring one is recomputed only for such blocks).
+__device__ __forceinline__ BlockMax BlockAmax(const float (&v)[kBlock]) {
+  float a[kBlock / 2];
+#pragma unroll
+  for (int i = 0; i < kBlock / 2; ++i) {
+    a[i] = MaxPropagatingNan(fabsf(v[i]), fabsf(v[i + kBlock / 2]));
+  }
+#pragma unroll
+  for (int n = kBlock / 4; n > 0; n /= 2) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) a[i] = MaxPropagatingNan(a[i], a[i + n]);
+  }
+  if (a[0] != a[0]) return {BlockAmaxIgnoringNan(v), true};
+  return {a[0], false};
 }
 
 // In place: the Random Hadamard Transform of v when `rht`.
@@ -367,23 +238,24 @@ struct EncodedBlock {
 // from `block_amax`. v[0] is element (b, r, l) of the output [batch, rows,
 // len]; its index in the whole tensor picks the stochastic-rounding bits.
 __device__ __forceinline__ EncodedBlock
-EncodeBlock(const float (&v)[kBlock], float block_amax, GlobalScale g,
-            const OutputArgs& out, uint32_t key0, uint32_t key1, int64_t b,
-            int64_t r, int64_t l) {
-  const float scale = BlockScale(block_amax, g);
-  const float multiplier = BlockEncodeMultiplier(scale, g);
+EncodeBlock(const float (&v)[kBlock], float block_amax, bool has_nan,
+            GlobalScale g, const OutputArgs& out, uint32_t key0, uint32_t key1,
+            int64_t b, int64_t r, int64_t l) {
+  const BlockScaleE4M3 scale = BlockScaleFast(block_amax, g);
+  const float multiplier = BlockEncodeMultiplier(scale.value, g);
   uint64_t packed;
   if (out.stochastic) {
     const uint64_t w =
         GlobalRandomIndex(out.origin, out.place, out.transposed, b, r, l) / 8;
     const uint64_t random_lo = RandomBytes8(key0, key1, out.stream, w);
     const uint64_t random_hi = RandomBytes8(key0, key1, out.stream, w + 1);
-    packed = EncodeBlock16Fast(v, multiplier, /*stochastic=*/true, random_lo,
-                               random_hi);
+    packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/true,
+                               random_lo, random_hi);
   } else {
-    packed = EncodeBlock16Fast(v, multiplier, /*stochastic=*/false, 0, 0);
+    packed =
+        EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/false, 0, 0);
   }
-  return {packed, E4M3Encode(scale)};
+  return {packed, scale.byte};
 }
 
 // Stores 8 code bytes at `codes` (a multiple of 8 bytes into the output).
@@ -399,14 +271,12 @@ __device__ __forceinline__ void StoreCodes(uint8_t* codes, uint64_t packed,
   }
 }
 
-__device__ __forceinline__ void EncodeAndStore(const float (&v)[kBlock],
-                                               float block_amax, GlobalScale g,
-                                               const OutputArgs& out,
-                                               uint32_t key0, uint32_t key1,
-                                               uint64_t flat, int64_t b,
-                                               int64_t r, int64_t l) {
+__device__ __forceinline__ void EncodeAndStore(
+    const float (&v)[kBlock], float block_amax, bool has_nan, GlobalScale g,
+    const OutputArgs& out, uint32_t key0, uint32_t key1, uint64_t flat,
+    int64_t b, int64_t r, int64_t l) {
   const EncodedBlock e =
-      EncodeBlock(v, block_amax, g, out, key0, key1, b, r, l);
+      EncodeBlock(v, block_amax, has_nan, g, out, key0, key1, b, r, l);
   StoreCodes(out.codes + flat / 2, e.packed, out.codes_aligned);
   out.scales[flat / kBlock] = e.scale;
 }
@@ -601,7 +471,8 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
         float v[kBlock];
         WordsToFloats<T>(w, v);
         MaybeRht(out.rht, v);
-        float block_amax = BlockAmax(v);
+        const BlockMax block_max = BlockAmax(v);
+        float block_amax = block_max.amax;
         if (out.tile16) {  // rows 16w .. 16w + 15: lanes of equal l % 2
 #pragma unroll
           for (int offset = 2; offset < 32; offset *= 2) {
@@ -609,8 +480,9 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
                 block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, offset));
           }
         }
-        const EncodedBlock e = EncodeBlock(v, block_amax, g, out, key0, key1,
-                                           pos.b, m, pos.k0 + kBlock * kb);
+        const EncodedBlock e =
+            EncodeBlock(v, block_amax, block_max.has_nan, g, out, key0, key1,
+                        pos.b, m, pos.k0 + kBlock * kb);
         smem.row_codes[r][RowCodeSlot(r, kb)] =
             make_uint2(static_cast<uint32_t>(e.packed),
                        static_cast<uint32_t>(e.packed >> 32));
@@ -622,27 +494,11 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
     if (kCols) {
       const OutputArgs& out = args.col;
       const GlobalScale g = GlobalScaleOf(out, pos.b);
-#pragma unroll 1  // one block at a time: fewer registers, more warps
-      for (int s = 0; s < 2; ++s) {
-        // Tile column c = lane + 32s, rows 16w .. 16w + 15.
-        const int c = lane + 32 * s;
-        constexpr int kPerChunk = 16 / kBytes;
-        float v[kBlock];
-#pragma unroll
-        for (int j = 0; j < kBlock; ++j) {
-          const int row = 16 * warp + j;
-          const int chunk = (c / kPerChunk) ^ Swizzle<T>(row);
-          const char* p = reinterpret_cast<const char*>(smem.x) +
-                          (row * kRowChunks<T> + chunk) * 16 +
-                          (c % kPerChunk) * kBytes;
-          if constexpr (kBytes == 2) {
-            v[j] = In<T>::FromRaw(*reinterpret_cast<const uint16_t*>(p));
-          } else {
-            v[j] = In<T>::FromRaw(*reinterpret_cast<const uint32_t*>(p));
-          }
-        }
+      // Tile column c, rows 16w .. 16w + 15, from its values v.
+      const auto encode_column = [&](int c, float (&v)[kBlock]) {
         MaybeRht(out.rht, v);
-        float block_amax = BlockAmax(v);
+        const BlockMax block_max = BlockAmax(v);
+        float block_amax = block_max.amax;
         if (out.tile16) {  // columns 16g .. 16g + 15: 16 neighbouring lanes
 #pragma unroll
           for (int offset = 1; offset < 16; offset *= 2) {
@@ -651,12 +507,62 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
           }
         }
         const EncodedBlock e =
-            EncodeBlock(v, block_amax, g, out, key0, key1, pos.b, pos.k0 + c,
-                        pos.m0 + 16 * warp);
+            EncodeBlock(v, block_amax, block_max.has_nan, g, out, key0, key1,
+                        pos.b, pos.k0 + c, pos.m0 + 16 * warp);
         smem.col_codes[c][warp] =
             make_uint2(static_cast<uint32_t>(e.packed),
                        static_cast<uint32_t>(e.packed >> 32));
         smem.col_scales[c][warp] = e.scale;
+      };
+      constexpr int kPerChunk = 16 / kBytes;
+      if (kBytes == 2 && !out.tile16) {
+        // 16-bit inputs, 1x16 blocks: lane l takes tile columns 2l and
+        // 2l + 1. One 4-byte load per row holds both, and a warp's loads
+        // cover whole rows (no bank conflicts): 16 loads for 32 elements.
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(smem.x);
+        uint32_t w[kBlock];
+#pragma unroll
+        for (int j = 0; j < kBlock; ++j) {
+          const int row = 16 * warp + j;
+          const int chunk = (2 * lane / kPerChunk) ^ Swizzle<T>(row);
+          w[j] = words[(row * kRowChunks<T> + chunk) * 4 + lane % 4];
+        }
+#pragma unroll 1  // one block at a time: fewer registers, more warps
+        for (int s = 0; s < 2; ++s) {
+          // Column 2l + s is half s of each word (little-endian).
+          const uint32_t to_high = s == 0 ? 0x1044u : 0x3244u;  // bf16 -> f32
+          float v[kBlock];
+#pragma unroll
+          for (int j = 0; j < kBlock; ++j) {
+            if constexpr (T == InType::kBf16) {
+              v[j] = BitsToFloat(__byte_perm(w[j], 0u, to_high));
+            } else {
+              v[j] = In<T>::FromRaw(w[j] >> (16 * s));
+            }
+          }
+          encode_column(2 * lane + s, v);
+        }
+      } else {
+#pragma unroll 1  // one block at a time: fewer registers, more warps
+        for (int s = 0; s < 2; ++s) {
+          // Tile column c = lane + 32s (16x16 tiles: 16 neighbouring lanes).
+          const int c = lane + 32 * s;
+          float v[kBlock];
+#pragma unroll
+          for (int j = 0; j < kBlock; ++j) {
+            const int row = 16 * warp + j;
+            const int chunk = (c / kPerChunk) ^ Swizzle<T>(row);
+            const char* p = reinterpret_cast<const char*>(smem.x) +
+                            (row * kRowChunks<T> + chunk) * 16 +
+                            (c % kPerChunk) * kBytes;
+            if constexpr (kBytes == 2) {
+              v[j] = In<T>::FromRaw(*reinterpret_cast<const uint16_t*>(p));
+            } else {
+              v[j] = In<T>::FromRaw(*reinterpret_cast<const uint32_t*>(p));
+            }
+          }
+          encode_column(c, v);
+        }
       }
     }
     __syncthreads();
@@ -763,7 +669,8 @@ __global__ void __launch_bounds__(kThreads)
       LoadBlockWords<T>(args.x, next_first, kBlock, args.x_vec, w);
     }
     MaybeRht(args.out.rht, v);
-    float block_amax = BlockAmax(v);
+    const BlockMax block_max = BlockAmax(v);
+    float block_amax = block_max.amax;
     if (args.out.tile16) {
 #pragma unroll
       for (int offset = 1; offset < 16; offset *= 2) {
@@ -773,8 +680,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     const int64_t b = Div(row, args.m);
     const int64_t kk = Div(b, args.key.batch_per_key);
-    EncodeAndStore(v, block_amax, GlobalScaleOf(args.out, b), args.out,
-                   args.key.key[2 * kk], args.key.key[2 * kk + 1],
+    EncodeAndStore(v, block_amax, block_max.has_nan, GlobalScaleOf(args.out, b),
+                   args.out, args.key.key[2 * kk], args.key.key[2 * kk + 1],
                    static_cast<uint64_t>(first), b, row - b * args.m,
                    first - row * args.k);
     if (next >= args.blocks) break;

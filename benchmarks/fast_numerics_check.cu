@@ -1,0 +1,109 @@
+// Exhaustive check, on a GPU, that the fast device arithmetic of
+// ffi/cuda_fast_numerics.cuh equals the header arithmetic of
+// ffi/nvfp4_numerics.h (the CPU handlers' and the pure-JAX twin's):
+//   1. E4M3FromFloat == E4M3RoundSatfinite / E4M3Encode for every
+//      non-negative float up to +inf (clamped to FLT_MAX as BlockScale does);
+//   2. EncodeBlock16Fast == EncodeBlock16, round to nearest, on every float32
+//      bit pattern (2^28 blocks of 16 consecutive patterns, multiplier 1);
+//   3. the same with stochastic rounding, two random bytes per pattern;
+//   4. RandomHadamard16Fast == RandomHadamard16 on 2^24 random blocks (NaN
+//      payloads aside).
+//
+//   nvcc -std=c++17 -O3 --fmad=false -arch=sm_90a -I ffi \
+//        benchmarks/fast_numerics_check.cu -o /tmp/fast_numerics_check
+//   /tmp/fast_numerics_check      # prints mismatch counts; exit 1 if any
+#include <cstdio>
+
+#include "cuda_fast_numerics.cuh"
+
+using namespace jax_nvfp4;
+
+__device__ unsigned long long g_mismatch[4];
+
+__device__ __forceinline__ uint32_t Hash(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+__global__ void CheckE4M3(uint32_t first, uint32_t count) {
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < count;
+       i += gridDim.x * blockDim.x) {
+    const float v = fminf(BitsToFloat(first + i), FLT_MAX);
+    const float want = E4M3RoundSatfinite(v);
+    const BlockScaleE4M3 got = E4M3FromFloat(v);
+    if (FloatBits(got.value) != FloatBits(want) ||
+        got.byte != E4M3Encode(want)) {
+      atomicAdd(&g_mismatch[0], 1ull);
+    }
+  }
+}
+
+// Block b holds the 16 bit patterns 16b .. 16b + 15.
+__global__ void CheckEncode(uint64_t blocks, uint32_t salt) {
+  for (uint64_t b =
+           blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
+       b < blocks; b += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    float v[kBlock];
+    bool has_nan = false;
+    for (int i = 0; i < kBlock; ++i) {
+      v[i] = BitsToFloat(static_cast<uint32_t>(16 * b + i));
+      has_nan |= v[i] != v[i];
+    }
+    const uint32_t h0 = Hash(static_cast<uint32_t>(b) ^ salt);
+    const uint32_t h1 = Hash(h0 + 1), h2 = Hash(h0 + 2), h3 = Hash(h0 + 3);
+    const uint64_t lo = h0 | (static_cast<uint64_t>(h1) << 32);
+    const uint64_t hi = h2 | (static_cast<uint64_t>(h3) << 32);
+    if (salt == 0 && EncodeBlock16Fast(v, 1.0f, has_nan, false, 0, 0) !=
+                         EncodeBlock16(v, 1.0f, false, 0, 0)) {
+      atomicAdd(&g_mismatch[1], 1ull);
+    }
+    if (EncodeBlock16Fast(v, 1.0f, has_nan, true, lo, hi) !=
+        EncodeBlock16(v, 1.0f, true, lo, hi)) {
+      atomicAdd(&g_mismatch[2], 1ull);
+    }
+  }
+}
+
+__global__ void CheckRht(uint32_t blocks) {
+  for (uint32_t b = blockIdx.x * blockDim.x + threadIdx.x; b < blocks;
+       b += gridDim.x * blockDim.x) {
+    float x[kBlock], want[kBlock], got[kBlock];
+    for (int i = 0; i < kBlock; ++i) {
+      uint32_t u = Hash(16 * b + i);
+      // A third of the blocks near one binade (sums that cancel and round).
+      if (b % 3 == 0) u = (u & 0x807FFFFFu) | 0x3F800000u;
+      x[i] = BitsToFloat(u);
+    }
+    RandomHadamard16(x, want);
+    RandomHadamard16Fast(x, got);
+    for (int i = 0; i < kBlock; ++i) {
+      const bool both_nan = want[i] != want[i] && got[i] != got[i];
+      if (!both_nan && FloatBits(got[i]) != FloatBits(want[i])) {
+        atomicAdd(&g_mismatch[3], 1ull);
+      }
+    }
+  }
+}
+
+int main() {
+  const int grid = 132 * 16, threads = 256;
+  CheckE4M3<<<grid, threads>>>(0u, 0x7F800001u);
+  CheckEncode<<<grid, threads>>>(1ull << 28, 0u);
+  CheckEncode<<<grid, threads>>>(1ull << 28, 0x9E3779B9u);
+  CheckRht<<<grid, threads>>>(1u << 24);
+  unsigned long long mismatch[4];
+  if (cudaMemcpyFromSymbol(mismatch, g_mismatch, sizeof(mismatch)) !=
+      cudaSuccess) {
+    std::printf("CUDA error: %s\n", cudaGetErrorString(cudaGetLastError()));
+    return 2;
+  }
+  std::printf(
+      "fast numerics vs header: E4M3 %llu, nearest %llu, stochastic %llu, RHT "
+      "%llu mismatches\n",
+      mismatch[0], mismatch[1], mismatch[2], mismatch[3]);
+  return (mismatch[0] | mismatch[1] | mismatch[2] | mismatch[3]) ? 1 : 0;
+}

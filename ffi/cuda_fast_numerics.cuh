@@ -1,0 +1,231 @@
+// Fast CUDA forms of the per-element and per-block arithmetic of
+// nvfp4_numerics.h, bit-identical to it (see below). Used by the quantize
+// kernels (cuda_handlers.cu) and checked exhaustively against the header by
+// benchmarks/fast_numerics_check.cu on a GPU.
+#ifndef JAX_NVFP4_FFI_CUDA_FAST_NUMERICS_CUH_
+#define JAX_NVFP4_FFI_CUDA_FAST_NUMERICS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "nvfp4_numerics.h"
+
+namespace jax_nvfp4 {
+
+// ---------------------------------------------------------------------------
+// Fast forms of the per-element arithmetic of nvfp4_numerics.h.
+//
+// These kernels are bound by instruction issue, mostly on the integer/compare
+// pipe (half rate on Hopper) and the conversion pipe (quarter rate). The
+// header's E2M1RoundNearest / E2M1RoundStochastic take the minimum of three
+// candidate indices made with rintf / floorf and a float -> int conversion:
+// four conversion-pipe instructions (FRND x3, F2I) per element, plus a NaN
+// select and a sign extraction. The forms below compute the same minimum of
+// the magnitude index with the integer rounding done by adding a constant
+// 2^23 + 2j (FMA pipe, one instruction per candidate): the sum rounds
+// |v| * 2^k + 2j to an integer (round to nearest even -- 2j is even, so ties
+// keep their parity -- or toward zero with the _rz forms, as rintf / floorf
+// do for a >= 0), and its low 3 bits are the magnitude index. The sign bits
+// of 8 elements are gathered with 6 byte permutes (SignNibbles8) and OR-ed in
+// after packing. A NaN element gives index 7 but would keep its sign bit, so
+// a block holding a NaN (found by the NaN-propagating block maximum) is left
+// to the header's own EncodeBlock16. The previous form of these functions
+// (sign in the offset: 2^23 + 8 * sign(v)) was checked exhaustively against
+// the header on an H200 (all 2^32 float bit patterns, x all 256 random bytes
+// for stochastic rounding); the tests compare every kernel with the CPU.
+//
+// RandomHadamard16Fast is the header's RandomHadamard16 (its
+// HadamardButterfly16, then the rounding to bfloat16) with the final rounding
+// to bfloat16 done by cvt.rn.bf16x2.f32, which equals RoundToBfloat16 for every
+// non-NaN float (checked exhaustively). A NaN stays a NaN with another
+// payload, which no output can show: amax ignores NaN and a block holding a
+// NaN is encoded by the header's EncodeBlock16 (NaN -> kNanCode).
+//
+// Building with -DJAX_NVFP4_CUDA_HEADER_ARITHMETIC uses the header's
+// EncodeBlock16 and RandomHadamard16 verbatim instead (same bytes, slower).
+// ---------------------------------------------------------------------------
+#if !defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
+constexpr float kTwo23 = 8388608.0f;  // 2^23: integers are exact below 2^24
+
+// min(candidates, 7) -> bits 0x4B000000 + magnitude index.
+__device__ __forceinline__ uint32_t IndexBits(float g1, float g2, float g3) {
+  return FloatBits(fminf(fminf(g1, g2), fminf(g3, kTwo23 + 7.0f)));
+}
+
+// The magnitude index of E2M1RoundNearest(v), non-NaN v, as 0x4B000000 +
+// index.
+// `offsets`: 2^23 and 2^23 + 4 in registers (see CandidateOffsets).
+struct CandidateOffsets {
+  float c0, c4;
+};
+
+// 2^23 and 2^23 + 4 through an opaque move: held in registers, they let each
+// candidate's multiply-add take its 2 or 0.5 as an immediate (one
+// instruction; with both constants immediate the compiler materializes one).
+__device__ __forceinline__ CandidateOffsets MakeCandidateOffsets() {
+  CandidateOffsets o;
+  asm("mov.b32 %0, 0x4B000000;" : "=f"(o.c0));
+  asm("mov.b32 %0, 0x4B000004;" : "=f"(o.c4));
+  return o;
+}
+
+__device__ __forceinline__ uint32_t NearestIndexBits(float v,
+                                                     CandidateOffsets o) {
+  const float a = fabsf(v);
+  const float g1 = __fmaf_rn(a, 2.0f, o.c0);     // 2^23 + rne(2a)
+  const float g2 = __fadd_rn(a, kTwo23 + 2.0f);  // 2^23 + rne(a) + 2
+  const float g3 = __fmaf_rn(a, 0.5f, o.c4);     // 2^23 + rne(a/2) + 4
+  return IndexBits(g1, g2, g3);
+}
+
+// Sign bits of s[0..7] at bits 4i + 3 (the code layout): the top bytes of
+// the even elements gathered into one word (signs at bits 7, 15, 23, 31,
+// shifted down by 4), those of the odd elements into another (in place).
+__device__ __forceinline__ uint32_t SignNibbles8(const float* s) {
+  const uint32_t e01 = __byte_perm(FloatBits(s[0]), FloatBits(s[2]), 0x0073);
+  const uint32_t e23 = __byte_perm(FloatBits(s[4]), FloatBits(s[6]), 0x0073);
+  const uint32_t o01 = __byte_perm(FloatBits(s[1]), FloatBits(s[3]), 0x0073);
+  const uint32_t o23 = __byte_perm(FloatBits(s[5]), FloatBits(s[7]), 0x0073);
+  const uint32_t evens = __byte_perm(e01, e23, 0x5410);
+  const uint32_t odds = __byte_perm(o01, o23, 0x5410);
+  return ((evens & 0x80808080u) >> 4) | (odds & 0x80808080u);
+}
+
+// The magnitude index of E2M1RoundStochastic(v, byte), non-NaN v, as
+// 0x4B000000 + index; `byte_as_float` is float(byte).
+__device__ __forceinline__ uint32_t StochasticIndexBits(float v,
+                                                        float byte_as_float,
+                                                        CandidateOffsets o) {
+  const float a = fabsf(v);
+  // t exactly as in E2M1RoundStochastic: u * step(a) = byte * (step(a) / 256)
+  // is exact either way, and t = a + (that) is the one rounding.
+  const float t =
+      __fadd_rn(a, __fmul_rn(byte_as_float, E2M1Step(a) * (1.0f / 256.0f)));
+  const float h1 = __fmaf_rz(t, 2.0f, o.c0);     // 2^23 + floor(2t)
+  const float h2 = __fadd_rz(t, kTwo23 + 2.0f);  // 2^23 + floor(t) + 2
+  const float h3 = __fmaf_rz(t, 0.5f, o.c4);     // 2^23 + floor(t/2) + 4
+  return IndexBits(h1, h2, h3);
+}
+
+// float(byte k of word), exact: the byte in the mantissa of 2^23.
+__device__ __forceinline__ float ByteAsFloat(uint32_t word, int k) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650u + k)) - kTwo23;
+}
+
+// Blocks that hold a NaN: the header's EncodeBlock16, out of line (the
+// values travel by value, in registers).
+struct Block16 {
+  float v[kBlock];
+};
+
+static __device__ __noinline__ uint64_t
+EncodeBlock16WithNan(Block16 block, float encode_multiplier, bool stochastic,
+                     uint64_t random_lo, uint64_t random_hi) {
+  return EncodeBlock16(block.v, encode_multiplier, stochastic, random_lo,
+                       random_hi);
+}
+#endif  // !JAX_NVFP4_CUDA_HEADER_ARITHMETIC
+
+// EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi).
+// `has_nan`: an element of v is NaN.
+__device__ __forceinline__ uint64_t EncodeBlock16Fast(
+    const float (&v)[kBlock], float encode_multiplier, bool has_nan,
+    bool stochastic, uint64_t random_lo, uint64_t random_hi) {
+#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
+  return EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi);
+#else
+  if (has_nan) {
+    Block16 block;
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) block.v[i] = v[i];
+    return EncodeBlock16WithNan(block, encode_multiplier, stochastic, random_lo,
+                                random_hi);
+  }
+  float scaled[kBlock];
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) scaled[i] = v[i] * encode_multiplier;
+  // Indices as bits 0x4B000000 + index, packed with shift-adds; the 0x4B of
+  // elements 0 and 1 (the rest shift out) is subtracted at the end.
+  constexpr uint32_t kPackedOffset = 0x4B000000u + (0x4B000000u << 4);
+  uint32_t half[2] = {0u, 0u};
+  const CandidateOffsets offsets = MakeCandidateOffsets();
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) {
+    uint32_t bits;
+    if (stochastic) {
+      const uint64_t bytes = i < 8 ? random_lo : random_hi;
+      const uint32_t word =
+          static_cast<uint32_t>(bytes >> (32 * ((i >> 2) & 1)));
+      bits = StochasticIndexBits(scaled[i], ByteAsFloat(word, i & 3), offsets);
+    } else {
+      bits = NearestIndexBits(scaled[i], offsets);
+    }
+    half[i >> 3] += bits << (4 * (i & 7));
+  }
+  // Signs: those of v (the multiplier is positive; -0.0 keeps its sign).
+  const uint32_t lo = (half[0] - kPackedOffset) | SignNibbles8(scaled);
+  const uint32_t hi = (half[1] - kPackedOffset) | SignNibbles8(scaled + 8);
+  return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+#endif
+}
+
+// RandomHadamard16 with the bfloat16 rounding in hardware (see above).
+__device__ __forceinline__ void RandomHadamard16Fast(const float (&x)[kBlock],
+                                                     float (&y)[kBlock]) {
+#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
+  RandomHadamard16(x, y);
+#else
+  float z[kBlock];
+  HadamardButterfly16(x, z);
+  // RoundToBfloat16 of each result, two per instruction.
+#pragma unroll
+  for (int i = 0; i < kBlock; i += 2) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(z[i], z[i + 1]);
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(&b);
+    y[i] = BitsToFloat(w << 16);
+    y[i + 1] = BitsToFloat(w & 0xFFFF0000u);
+  }
+#endif
+}
+
+// A block scale: its E4M3 value (as a float) and byte.
+struct BlockScaleE4M3 {
+  float value;
+  uint8_t byte;
+};
+
+// E4M3RoundSatfinite(v) and its E4M3Encode byte, v >= 0 and not NaN. On
+// sm_89+ the rounding is cvt.rn.satfinite.e4m3x2.f32 (nearest even,
+// saturating at 448, E4M3 subnormals included) and the value comes back
+// through cvt to float16 (exact): equal to the header for every such float
+// (checked exhaustively on an H200 by benchmarks/fast_numerics_check.cu).
+__device__ __forceinline__ BlockScaleE4M3 E4M3FromFloat(float v) {
+#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC) || __CUDA_ARCH__ < 890
+  const float scale = E4M3RoundSatfinite(v);
+  return {scale, E4M3Encode(scale)};
+#else
+  uint16_t pair;  // the E4M3 byte of v in the low byte (of 0 in the high)
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+      : "=h"(pair)
+      : "f"(0.0f), "f"(v));
+  uint32_t halves;  // both bytes as float16, exactly
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(pair));
+  const float value =
+      __half2float(__ushort_as_half(static_cast<uint16_t>(halves & 0xFFFFu)));
+  return {value, static_cast<uint8_t>(pair & 0xFFu)};
+#endif
+}
+
+// BlockScale(block_amax, g) and its byte.
+__device__ __forceinline__ BlockScaleE4M3 BlockScaleFast(float block_amax,
+                                                         GlobalScale g) {
+  return E4M3FromFloat(fminf(block_amax * (g.encode * (1.0f / 6.0f)), FLT_MAX));
+}
+
+}  // namespace jax_nvfp4
+
+#endif  // JAX_NVFP4_FFI_CUDA_FAST_NUMERICS_CUH_
