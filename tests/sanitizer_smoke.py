@@ -18,6 +18,8 @@ def main():
             nv.quantize(x, axis=1, block="16x16", rht=True),
             nv.quantize(x, axis=-2, rounding="stochastic", key=key),
             nv.quantize(x[:, :, :7], axis=1),  # column-wise with k = 7
+            # A NaN: its blocks take the header's slow path.
+            *nv.quantize_rowwise_and_columnwise(x.at[0, 3, 5].set(jnp.nan)),
             *nv.quantize_rowwise_and_columnwise(
                 x, col_rht=True, col_rounding="stochastic", key=key
             ),
