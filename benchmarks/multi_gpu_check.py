@@ -43,7 +43,9 @@ def tensor_bytes(t):
 def main():
     gpus = jax.devices()
     n = len(gpus)
-    mesh = jax.make_mesh((n,), ("d",))
+    # Auto axes: jax_nvfp4's bf16 fallback GEMMs do not pass out_sharding,
+    # which Explicit axes (make_mesh's default in newer JAX) require.
+    mesh = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     key = jax.random.key(5)
     print(f"{n} x {gpus[0].device_kind}; jax {jax.__version__}")
 
