@@ -22,6 +22,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4.gemm import matmul
 from jax_nvfp4.quantize import (
@@ -177,6 +179,44 @@ def _quantize_w(w, recipe: Recipe):
     return along_k, along_n
 
 
+def _explicit_sharding(a):
+    """a's (mesh, PartitionSpec) if a is sharded over Explicit mesh axes."""
+    try:
+        sharding = jax.typeof(a).sharding
+    except (AttributeError, TypeError):  # older JAX: no sharding in types
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    if mesh is None or explicit is None:
+        return None
+    if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+        return None
+    return mesh, tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+
+
+def _explicit_specs(x2, w):
+    """Shardings of (x2, w, out) under Explicit mesh axes, else None: the
+    bf16 fallback GEMMs must name their output sharding there when they
+    contract a sharded dimension (JAX's ShardingTypeError otherwise)."""
+    xs, ws = _explicit_sharding(x2), _explicit_sharding(w)
+    if xs is None and ws is None:
+        return None
+    mesh = (xs or ws)[0]
+    xspec = xs[1] if xs else (None, None)
+    wspec = ws[1] if ws else (None, None)
+    return tuple(
+        NamedSharding(mesh, P(*spec)) for spec in (xspec, wspec, (xspec[0], wspec[1]))
+    )
+
+
+def _bf16_dot(a, b, out_spec, preferred_element_type=None):
+    """jnp.dot for the GEMMs kept in high precision."""
+    kwargs = {} if out_spec is None else {"out_sharding": out_spec}
+    if preferred_element_type is not None:
+        kwargs["preferred_element_type"] = preferred_element_type
+    return jnp.dot(a, b, **kwargs)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dot2(x2, w, words, recipe, static):
     out, _ = _dot2_fwd(x2, w, words, recipe, static)
@@ -184,8 +224,8 @@ def _dot2(x2, w, words, recipe, static):
 
 
 def _dot2_fwd(x2, w, words, recipe, static):
-    """static: (input dtype, output dtype, axis_name)."""
-    _, out_dtype, axis_name = static
+    """static: (input dtype, output dtype, axis_name, explicit specs)."""
+    _, out_dtype, axis_name, specs = static
     tokens = x2.shape[0]
     x_rows, x_cols = _quantize_tokens(
         x2, recipe, rows=recipe.fprop, cols=recipe.wgrad, axis_name=axis_name
@@ -194,10 +234,13 @@ def _dot2_fwd(x2, w, words, recipe, static):
     if recipe.fprop:
         out = matmul(x_rows, w_along_k, out_dtype=jnp.float32)[:tokens]
         out = out.astype(out_dtype)
-    elif out_dtype == x2.dtype:
-        out = jnp.dot(x2, w)
     else:
-        out = jnp.dot(x2, w, preferred_element_type=out_dtype)
+        out = _bf16_dot(
+            x2,
+            w,
+            specs and specs[2],
+            None if out_dtype == x2.dtype else out_dtype,
+        )
     residuals = (
         x_cols if recipe.wgrad else x2,
         w_along_n if recipe.dgrad else w,
@@ -207,7 +250,7 @@ def _dot2_fwd(x2, w, words, recipe, static):
 
 
 def _dot2_bwd(recipe, static, residuals, dy):
-    in_dtype, _, axis_name = static
+    in_dtype, _, axis_name, specs = static
     x_saved, w_saved, words = residuals
     tokens = dy.shape[0]
     dy_rows, dy_cols = _quantize_tokens(
@@ -222,11 +265,11 @@ def _dot2_bwd(recipe, static, residuals, dy):
     if recipe.dgrad:
         dx = matmul(dy_rows, w_saved, out_dtype=jnp.float32)[:tokens]
     else:
-        dx = jnp.dot(dy.astype(w_saved.dtype), w_saved.T)
+        dx = _bf16_dot(dy.astype(w_saved.dtype), w_saved.T, specs and specs[0])
     if recipe.wgrad:
         dw = matmul(x_saved, dy_cols, out_dtype=jnp.float32)
     else:
-        dw = jnp.dot(x_saved.T, dy.astype(x_saved.dtype))
+        dw = _bf16_dot(x_saved.T, dy.astype(x_saved.dtype), specs and specs[1])
     return dx.astype(in_dtype), dw.astype(in_dtype), None
 
 
@@ -294,6 +337,7 @@ def dot(
         jnp.dtype(x.dtype),
         jnp.dtype(preferred_element_type or x.dtype),
         tuple(_axis_names(axis_name)) or None,
+        _explicit_specs(x2, w),
     )
     return _dot2(x2, w, words, recipe, static).reshape(*x.shape[:-1], n)
 

@@ -94,6 +94,27 @@ def test_dot_under_jit_shardings(results, case):
         assert r["all_gathers"] == []
 
 
+EXPLICIT_CASES = [
+    f"{r}, {layout}"
+    for r in ("nvfp4", "bf16", "fprop bf16", "dgrad bf16", "wgrad bf16")
+    for layout in (
+        "data parallel",
+        "tensor parallel (column)",
+        "tensor parallel (row)",
+    )
+]
+
+
+@pytest.mark.parametrize("case", EXPLICIT_CASES)
+def test_dot_with_explicit_mesh_axes(results, case):
+    """Explicit axes (jax.make_mesh's default in newer JAX): every recipe,
+    including the GEMMs kept in bf16, which must name their output sharding
+    when they contract a sharded dimension."""
+    r = results["explicit"][case]
+    assert isinstance(r, float), r
+    assert r <= ACCUMULATION_BOUND, r
+
+
 def test_shard_map_fsdp_step(results):
     r = results["shard_map fsdp"]
     for name in ("y", "dx", "dw"):
