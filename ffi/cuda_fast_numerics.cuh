@@ -26,17 +26,20 @@ namespace jax_nvfp4 {
 // four conversion-pipe instructions (FRND x3, F2I) per element, plus a NaN
 // select and a sign extraction. The forms below compute the same minimum of
 // the magnitude index with the integer rounding done by adding a constant
-// 2^23 + 2j (FMA pipe, one instruction per candidate): the sum rounds
+// 2^23 + 2j (FMA pipe; ptxas keeps the constant 2 or 1/2 of two candidates
+// in a register it often re-materializes, ~1.7 instructions per candidate):
+// the sum rounds
 // |v| * 2^k + 2j to an integer (round to nearest even -- 2j is even, so ties
 // keep their parity -- or toward zero with the _rz forms, as rintf / floorf
 // do for a >= 0), and its low 3 bits are the magnitude index. The sign bits
 // of 8 elements are gathered with 6 byte permutes (SignNibbles8) and OR-ed in
 // after packing. A NaN element gives index 7 but would keep its sign bit, so
 // a block holding a NaN (found by the NaN-propagating block maximum) is left
-// to the header's own EncodeBlock16. The previous form of these functions
-// (sign in the offset: 2^23 + 8 * sign(v)) was checked exhaustively against
-// the header on an H200 (all 2^32 float bit patterns, x all 256 random bytes
-// for stochastic rounding); the tests compare every kernel with the CPU.
+// to the header's own EncodeBlock16. Checked on an H200 against the header
+// for every float32 bit pattern (benchmarks/fast_numerics_check.cu; with two
+// random bytes per pattern for stochastic rounding; the previous form, sign in
+// the offset, was checked with all 256 bytes); the tests compare every kernel
+// with the CPU.
 //
 // RandomHadamard16Fast is the header's RandomHadamard16 (its
 // HadamardButterfly16, then the rounding to bfloat16) with the final rounding
@@ -58,27 +61,11 @@ __device__ __forceinline__ uint32_t IndexBits(float g1, float g2, float g3) {
 
 // The magnitude index of E2M1RoundNearest(v), non-NaN v, as 0x4B000000 +
 // index.
-// `offsets`: 2^23 and 2^23 + 4 in registers (see CandidateOffsets).
-struct CandidateOffsets {
-  float c0, c4;
-};
-
-// 2^23 and 2^23 + 4 through an opaque move: held in registers, they let each
-// candidate's multiply-add take its 2 or 0.5 as an immediate (one
-// instruction; with both constants immediate the compiler materializes one).
-__device__ __forceinline__ CandidateOffsets MakeCandidateOffsets() {
-  CandidateOffsets o;
-  asm("mov.b32 %0, 0x4B000000;" : "=f"(o.c0));
-  asm("mov.b32 %0, 0x4B000004;" : "=f"(o.c4));
-  return o;
-}
-
-__device__ __forceinline__ uint32_t NearestIndexBits(float v,
-                                                     CandidateOffsets o) {
+__device__ __forceinline__ uint32_t NearestIndexBits(float v) {
   const float a = fabsf(v);
-  const float g1 = __fmaf_rn(a, 2.0f, o.c0);     // 2^23 + rne(2a)
-  const float g2 = __fadd_rn(a, kTwo23 + 2.0f);  // 2^23 + rne(a) + 2
-  const float g3 = __fmaf_rn(a, 0.5f, o.c4);     // 2^23 + rne(a/2) + 4
+  const float g1 = __fmaf_rn(a, 2.0f, kTwo23);         // 2^23 + rne(2a)
+  const float g2 = __fadd_rn(a, kTwo23 + 2.0f);        // 2^23 + rne(a) + 2
+  const float g3 = __fmaf_rn(a, 0.5f, kTwo23 + 4.0f);  // 2^23 + rne(a/2) + 4
   return IndexBits(g1, g2, g3);
 }
 
@@ -98,16 +85,15 @@ __device__ __forceinline__ uint32_t SignNibbles8(const float* s) {
 // The magnitude index of E2M1RoundStochastic(v, byte), non-NaN v, as
 // 0x4B000000 + index; `byte_as_float` is float(byte).
 __device__ __forceinline__ uint32_t StochasticIndexBits(float v,
-                                                        float byte_as_float,
-                                                        CandidateOffsets o) {
+                                                        float byte_as_float) {
   const float a = fabsf(v);
   // t exactly as in E2M1RoundStochastic: u * step(a) = byte * (step(a) / 256)
   // is exact either way, and t = a + (that) is the one rounding.
   const float t =
       __fadd_rn(a, __fmul_rn(byte_as_float, E2M1Step(a) * (1.0f / 256.0f)));
-  const float h1 = __fmaf_rz(t, 2.0f, o.c0);     // 2^23 + floor(2t)
-  const float h2 = __fadd_rz(t, kTwo23 + 2.0f);  // 2^23 + floor(t) + 2
-  const float h3 = __fmaf_rz(t, 0.5f, o.c4);     // 2^23 + floor(t/2) + 4
+  const float h1 = __fmaf_rz(t, 2.0f, kTwo23);         // 2^23 + floor(2t)
+  const float h2 = __fadd_rz(t, kTwo23 + 2.0f);        // 2^23 + floor(t) + 2
+  const float h3 = __fmaf_rz(t, 0.5f, kTwo23 + 4.0f);  // 2^23 + floor(t/2) + 4
   return IndexBits(h1, h2, h3);
 }
 
@@ -152,7 +138,6 @@ __device__ __forceinline__ uint64_t EncodeBlock16Fast(
   // elements 0 and 1 (the rest shift out) is subtracted at the end.
   constexpr uint32_t kPackedOffset = 0x4B000000u + (0x4B000000u << 4);
   uint32_t half[2] = {0u, 0u};
-  const CandidateOffsets offsets = MakeCandidateOffsets();
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) {
     uint32_t bits;
@@ -160,9 +145,9 @@ __device__ __forceinline__ uint64_t EncodeBlock16Fast(
       const uint64_t bytes = i < 8 ? random_lo : random_hi;
       const uint32_t word =
           static_cast<uint32_t>(bytes >> (32 * ((i >> 2) & 1)));
-      bits = StochasticIndexBits(scaled[i], ByteAsFloat(word, i & 3), offsets);
+      bits = StochasticIndexBits(scaled[i], ByteAsFloat(word, i & 3));
     } else {
-      bits = NearestIndexBits(scaled[i], offsets);
+      bits = NearestIndexBits(scaled[i]);
     }
     half[i >> 3] += bits << (4 * (i & 7));
   }
