@@ -82,6 +82,12 @@ class NVFP4Tensor:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def batch_ndim(self) -> int:
+        """Leading axes that ``vmap`` added to the arrays of a tensor it
+        returned (``shape`` is per example); 0 inside the ``vmap``."""
+        return self.codes.ndim - len(self.stored_shape)
+
     def tree_flatten(self):
         return (self.codes, self.scales, self.amax), (
             self.shape,

@@ -12,8 +12,10 @@ compiled, not yet run on Blackwell hardware).
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,6 +62,18 @@ def matmul(
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, NVFP4Tensor):
             raise TypeError(f"matmul takes NVFP4Tensors; {name} is {type(t).__name__}")
+    if a.batch_ndim or b.batch_ndim:  # tensors returned by vmap
+        if a.batch_ndim and b.batch_ndim and a.batch_ndim != b.batch_ndim:
+            raise ValueError(
+                f"a and b carry {a.batch_ndim} and {b.batch_ndim} vmapped leading "
+                "axes; give them the same number (or none to one of them)"
+            )
+        return jax.vmap(
+            functools.partial(
+                matmul, out_dtype=out_dtype, implementation=implementation
+            ),
+            in_axes=(0 if a.batch_ndim else None, 0 if b.batch_ndim else None),
+        )(a, b)
     if a.rht != b.rht:
         raise ValueError(
             "both operands must be Random-Hadamard-transformed along K or neither "

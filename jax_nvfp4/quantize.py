@@ -9,6 +9,7 @@ is the fused pass that the training recipe needs for X and dY.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -384,6 +385,10 @@ def dequantize(
     """
     if not isinstance(t, NVFP4Tensor):
         raise TypeError(f"dequantize takes an NVFP4Tensor, got {type(t).__name__}")
+    if t.batch_ndim:  # returned by vmap: [batch..., *t.shape]
+        return jax.vmap(
+            functools.partial(dequantize, dtype=dtype, implementation=implementation)
+        )(t)
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         if dtype != jnp.dtype(jnp.float16):

@@ -138,3 +138,23 @@ def test_vmap_folds_into_one_gemm():
             nv.quantize(xs[i].T, 0), nv.quantize(ws[i], 0), out_dtype=jnp.float32
         )
         np.testing.assert_allclose(out[i], one, rtol=1e-6)
+
+
+def test_tensors_returned_by_vmap_work_outside_it():
+    """vmap(quantize) gives tensors whose arrays carry the batch axes while
+    ``shape`` is per example: dequantize and matmul map over those axes."""
+    x = outlier_data(20, (4, 32, 64), jnp.float32)
+    w = outlier_data(21, (4, 48, 64), jnp.float32)
+    tx, tw = jax.vmap(nv.quantize)(x), jax.vmap(nv.quantize)(w)
+    assert tx.batch_ndim == 1 and tx.shape == (32, 64)
+    np.testing.assert_array_equal(nv.dequantize(tx), jax.vmap(nv.dequantize)(tx))
+    np.testing.assert_array_equal(nv.matmul(tx, tw), jax.vmap(nv.matmul)(tx, tw))
+    shared = nv.quantize(w[0])
+    np.testing.assert_array_equal(
+        jax.jit(nv.matmul)(tx, shared),
+        jax.vmap(nv.matmul, in_axes=(0, None))(tx, shared),
+    )
+    twice = jax.vmap(jax.vmap(nv.quantize))(x.reshape(2, 2, 32, 64))
+    assert nv.dequantize(twice).shape == (2, 2, 32, 64)
+    with pytest.raises(ValueError, match="vmapped leading axes"):
+        nv.matmul(twice, tw)
