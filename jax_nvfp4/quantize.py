@@ -399,10 +399,17 @@ def dequantize(
     ops = implementation_ops(implementation)
     stored = t.stored_shape
     rows = math.prod(stored[:-1])
+    # Rows merged first, the unit batch axis added after: one reshape doing
+    # both is refused under vmap over Explicit-sharded axes (JAX 0.10).
     values = ops.dequantize(
-        t.codes.reshape(1, rows, stored[-1] // 2),
-        t.scales.reshape(1, rows, stored[-1] // BLOCK_SIZE),
+        t.codes.reshape(rows, stored[-1] // 2)[None],
+        t.scales.reshape(rows, stored[-1] // BLOCK_SIZE)[None],
         jnp.asarray(t.amax, jnp.float32).reshape(1),
         dtype=np.dtype(dtype),
     )
-    return jnp.moveaxis(values.reshape(stored), -1, t.axis)
+    # The stored last axis back to t.axis; lax.transpose, not jnp.moveaxis
+    # (a jitted helper, which JAX 0.11 fails to batch when vmap's axis is
+    # sharded over Explicit mesh axes).
+    order = list(range(len(stored) - 1))
+    order.insert(t.axis, len(stored) - 1)
+    return jax.lax.transpose(values.reshape(stored), order)

@@ -123,6 +123,24 @@ results["vmap batch sharded bytes_equal"] = bool(
     )
 )
 
+# The same under Explicit mesh axes, then dequantized inside and outside vmap.
+explicit_1d = jax.make_mesh(
+    (8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+)
+sharded_e = vq(put(xb, explicit_1d, P("data")))
+want_values = np.asarray(jax.vmap(nv.dequantize)(one_v))
+results["explicit vmap batch"] = {
+    "bytes_equal": bool(np.array_equal(one_v.codes, sharded_e.codes)),
+    "vmap dequantize equal": bool(
+        np.array_equal(
+            np.asarray(jax.jit(jax.vmap(nv.dequantize))(sharded_e)), want_values
+        )
+    ),
+    "dequantize equal": bool(
+        np.array_equal(np.asarray(jax.jit(nv.dequantize)(sharded_e)), want_values)
+    ),
+}
+
 # --- a sharding that splits a block: a clear error ---------------------------
 
 try:

@@ -64,6 +64,14 @@ def test_vmapped_batch_sharded(results):
     assert results["vmap batch sharded bytes_equal"]
 
 
+def test_vmapped_batch_sharded_over_explicit_axes(results):
+    assert results["explicit vmap batch"] == {
+        "bytes_equal": True,
+        "vmap dequantize equal": True,
+        "dequantize equal": True,
+    }
+
+
 def test_split_block_is_a_clear_error(results):
     message = results["split_block_error"]
     assert "split a 16-element NVFP4 block" in message
