@@ -21,10 +21,9 @@ echo "build: $(( $(date +%s) - t0 )) s"
 (cd /tmp && python3 -c "import jax_nvfp4 as nv, jax_nvfp4.cuda_gemm as g; print('handlers:', sorted(nv.available_platforms()), 'GEMM path:', g.gemm_path())")
 grep -E "cuBLASLt|Blackwell" "$OUT/build.log" | head -4
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-# -P: import the installed package, not the source tree (which has no built
-# extension on this machine and would silently run the pure-JAX twin).
-python3 -P -c "import jax_nvfp4 as nv, jax_nvfp4._ffi_registry as r; print('tests import', nv.__file__, sorted(nv.available_platforms()))"
-timeout "${PYTEST_TIMEOUT:-240}" python3 -P -m pytest -q -p no:cacheprovider $tests 2>&1 | tee "$OUT/pytest.txt" | tail -8
+# The tests import the installed package (see gpu_tests_parallel.sh).
+python3 -P -c "import jax_nvfp4 as nv; print('tests import', nv.__file__, sorted(nv.available_platforms()))"
+bash benchmarks/gpu_tests_parallel.sh "$tests"
 [ -n "${SKIP_QUANTIZE_BENCH:-}" ] || timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
 if [ -z "${SKIP_LINEAR_BENCH:-}" ]; then
 mkdir -p "$OUT/hlo"
