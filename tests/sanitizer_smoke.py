@@ -26,6 +26,14 @@ def main():
             *nv.quantize_rowwise_and_columnwise(
                 x, row_block="16x16", col_block="16x16"
             ),
+            # dY's options: stochastic rounding both ways.
+            *nv.quantize_rowwise_and_columnwise(
+                x,
+                row_rounding="stochastic",
+                col_rht=True,
+                col_rounding="stochastic",
+                key=key,
+            ),
         ]
         deq = [nv.dequantize(t, jnp.float32) for t in outs]
         deq += [nv.dequantize(outs[0], jnp.bfloat16)]

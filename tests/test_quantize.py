@@ -115,6 +115,54 @@ def test_fused_rowwise_columnwise(dtype, row_rht, col_rht, col_rounding):
     assert cols.codes.shape == (2, 48, 32)
 
 
+def _edge_blocks(x):
+    """x with a NaN, +-inf, a -0.0 row block, an all-zero 16x16 tile and a
+    block whose scale underflows, at places that cut both ways."""
+    x = x.at[..., 3, 5].set(jnp.nan)
+    x = x.at[..., 40, 17].set(jnp.inf).at[..., 41, 130].set(-jnp.inf)
+    x = x.at[..., 20, 32:48].set(-0.0)
+    x = x.at[..., 48:64, 64:80].set(0.0)
+    return x.at[..., 80:96, 96:112].set(1e-30)
+
+
+@pytest.mark.parametrize("row_rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("col_rht", [False, True])
+@pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("amax", [None, 0.5])
+def test_fused_recipe_options_match_reference(
+    row_rounding, col_rht, col_rounding, amax
+):
+    """The recipe's fused quantize (bfloat16, 1x16 both ways: the CUDA
+    register-tile kernel) for each rounding/RHT option, on a shape that is a
+    multiple of 16 but not of the kernel's 256 x 128 CTA tile, with NaN, inf
+    and all-zero blocks; amax=0.5 (below the data's) saturates the scales."""
+    x = _edge_blocks(outlier_data(13, (2, 272, 176), jnp.bfloat16))
+    key = jax.random.key(5)
+    kwargs = dict(
+        row_rounding=row_rounding,
+        col_rht=col_rht,
+        col_rounding=col_rounding,
+        row_stream=2,
+        col_stream=3,
+    )
+    if amax is not None:
+        kwargs.update(row_amax=jnp.float32(amax), col_amax=jnp.float32(amax))
+    rows, cols = jax.jit(
+        lambda x, k: nv.quantize_rowwise_and_columnwise(x, key=k, **kwargs)
+    )(x, key)
+    ref_rows, ref_cols = on_cpu(
+        functools.partial(
+            nv.quantize_rowwise_and_columnwise,
+            key=key,
+            implementation="reference",
+            **kwargs,
+        ),
+        x,
+    )
+    assert_same_bytes(rows, ref_rows)
+    assert_same_bytes(cols, ref_cols)
+
+
 def test_dequantize_matches_reference_and_dtypes():
     x = outlier_data(6, (32, 64), jnp.float32)
     t = nv.quantize(x)
