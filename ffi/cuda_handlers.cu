@@ -613,34 +613,40 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
 }
 
 // ---------------------------------------------------------------------------
-// QuantizeRegisterTileKernel: the fused row-wise + column-wise quantize of a
+// QuantizePrivateTileKernel: the fused row-wise + column-wise quantize of a
 // bfloat16 x with 1x16 blocks both ways and no RHT on the rows (the recipe's
 // X and dY), when m and k are multiples of 16; QuantizeTileKernel serves the
-// other cases. Every thread owns one 16 (m) x 16 (k) tile of x in registers
-// (32 16-byte loads, all in flight at once) and quantizes its 16 rows along k
-// and its 16 columns along m from there: no shared memory, no barrier, no
-// shuffle. The rounding and RHT options are template arguments, so each
-// instantiation holds one straight-line path (the tile loops are unrolled:
-// the tile is indexed by constants only, or it would live in local memory).
+// other cases. Every thread owns one 16 (m) x 16 (k) tile of x: it loads the
+// tile with 32 16-byte loads (all in flight at once), parks it in its own
+// slice of shared memory, and quantizes the tile's 16 rows along k and its 16
+// columns along m from there -- no barrier, no shuffle, no second read of x.
+// The slice (not registers) holds the tile so that the row and column loops
+// can stay loops: code indexed by a loop counter cannot address registers,
+// and the fully unrolled kernel (~200 KB of code) ran out of the instruction
+// cache (measured 2.3x slower on an H200). The rounding and RHT options are
+// template arguments: one straight path per instantiation.
 //
+// Slice layout: 129 words per thread, row r of the tile in words 8r .. 8r + 7
+// (element j in half j % 2 of word j / 2): word w of lane l is in bank
+// (l + w) % 32, so the warp's 32-bit accesses to one word are conflict-free.
 // Lanes: 8 along k by 4 along m, so a warp covers 64 (m) x 128 (k): its loads
 // read 256 contiguous bytes of each of its rows, its row-code stores write
 // 64 contiguous bytes per row, and each of its column-code stores writes one
 // whole 32-byte sector (4 lanes x 8 bytes) of each of 8 output rows. A CTA
-// is 4 warps along m: 256 (m) x 128 (k). The tile (128 registers) stays live
-// through both phases, so the register cap is 168: 3 CTAs of 128 threads per
-// SM, 12 warps, 192 KB of loads in flight.
+// is 2 warps along m, 128 (m) x 128 (k), with 33 KB of shared memory.
 // ---------------------------------------------------------------------------
-constexpr int kRegThreads = 128;
-constexpr int kRegTileM = 256;  // CTA tile rows (m)
-constexpr int kRegTileK = 128;  // CTA tile columns (k)
-constexpr int kRegCtasPerSm = 3;
+constexpr int kPrivThreads = 64;
+constexpr int kPrivTileM = 128;  // CTA tile rows (m)
+constexpr int kPrivTileK = 128;  // CTA tile columns (k)
+constexpr int kSliceWords = kBlock * kBlock / 2 + 1;
 
 template <bool kRowStochastic, bool kColRht, bool kColStochastic>
-__global__ void __launch_bounds__(kRegThreads, kRegCtasPerSm)
-    QuantizeRegisterTileKernel(const TileArgs args) {
+__global__ void __launch_bounds__(kPrivThreads)
+    QuantizePrivateTileKernel(const TileArgs args) {
   using T = In<InType::kBf16>;
   constexpr int kRowWords = kBlock / 2;  // 32-bit words per row of the tile
+  __shared__ uint32_t slices[kPrivThreads * kSliceWords];
+  uint32_t* const slice = slices + threadIdx.x * kSliceWords;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   // The options as constants (the kernel arguments hold the same values).
@@ -656,26 +662,31 @@ __global__ void __launch_bounds__(kRegThreads, kRegCtasPerSm)
     const int64_t rest = Div(tile, args.k_tiles);
     const int64_t b = Div(rest, args.m_tiles);
     const int64_t m0 =
-        (rest - b * args.m_tiles) * kRegTileM + 64 * warp + 16 * (lane / 8);
+        (rest - b * args.m_tiles) * kPrivTileM + 64 * warp + 16 * (lane / 8);
     const int64_t k0 =
-        (tile - rest * args.k_tiles) * kRegTileK + 16 * (lane % 8);
+        (tile - rest * args.k_tiles) * kPrivTileK + 16 * (lane % 8);
     if (m0 >= args.m || k0 >= args.k) continue;  // both multiples of 16
 
-    // Row r of the tile: elements (m0 + r, k0 .. k0 + 15), 8 words.
-    uint32_t w[kBlock][kRowWords];
-    const uint4* x = reinterpret_cast<const uint4*>(
-        static_cast<const char*>(args.x) +
-        ((b * args.m + m0) * args.k + k0) * T::kBytes);
-    const int64_t row_chunks = args.k * T::kBytes / 16;
+    {  // Rows m0 .. m0 + 15, elements k0 .. k0 + 15 of each, into the slice.
+      const uint4* x = reinterpret_cast<const uint4*>(
+          static_cast<const char*>(args.x) +
+          ((b * args.m + m0) * args.k + k0) * T::kBytes);
+      const int64_t row_chunks = args.k * T::kBytes / 16;
+      uint4 q[kBlock][2];
 #pragma unroll
-    for (int r = 0; r < kBlock; ++r) {
+      for (int r = 0; r < kBlock; ++r) {
+        q[r][0] = __ldg(x + r * row_chunks);
+        q[r][1] = __ldg(x + r * row_chunks + 1);
+      }
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const uint4 q = __ldg(x + r * row_chunks + c);
-        w[r][4 * c] = q.x;
-        w[r][4 * c + 1] = q.y;
-        w[r][4 * c + 2] = q.z;
-        w[r][4 * c + 3] = q.w;
+      for (int r = 0; r < kBlock; ++r) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          slice[kRowWords * r + 4 * c] = q[r][c].x;
+          slice[kRowWords * r + 4 * c + 1] = q[r][c].y;
+          slice[kRowWords * r + 4 * c + 2] = q[r][c].z;
+          slice[kRowWords * r + 4 * c + 3] = q[r][c].w;
+        }
       }
     }
     uint32_t key0 = 0, key1 = 0;
@@ -689,31 +700,40 @@ __global__ void __launch_bounds__(kRegThreads, kRegCtasPerSm)
       const GlobalScale g = GlobalScaleOf(row_out, b);
       const uint64_t flat0 =
           static_cast<uint64_t>((b * args.m + m0) * args.k + k0);
-#pragma unroll
+#pragma unroll 1
       for (int r = 0; r < kBlock; ++r) {
         float v[kBlock];
 #pragma unroll
-        for (int j = 0; j < kBlock; ++j) v[j] = T::Element(w[r], j);
+        for (int j = 0; j < kBlock; ++j) {
+          v[j] = T::FromRaw(slice[kRowWords * r + j / 2] >> (16 * (j % 2)));
+        }
         const BlockMax block_max = BlockAmax(v);
         EncodeAndStore(v, block_max.amax, block_max.has_nan, g, row_out, key0,
                        key1, flat0 + r * static_cast<uint64_t>(args.k), b,
                        m0 + r, k0);
       }
     }
-    {  // Column c along m: output element (b, k0 + c, m0).
+    {  // Columns 2p and 2p + 1 along m: output element (b, k0 + c, m0).
       const GlobalScale g = GlobalScaleOf(col_out, b);
       const uint64_t flat0 =
           static_cast<uint64_t>((b * args.k + k0) * args.m + m0);
+#pragma unroll 1
+      for (int p = 0; p < kRowWords; ++p) {
+        uint32_t w[kBlock];
 #pragma unroll
-      for (int c = 0; c < kBlock; ++c) {
-        float v[kBlock];
+        for (int r = 0; r < kBlock; ++r) w[r] = slice[kRowWords * r + p];
 #pragma unroll
-        for (int r = 0; r < kBlock; ++r) v[r] = T::Element(w[r], c);
-        MaybeRht(kColRht, v);
-        const BlockMax block_max = BlockAmax(v);
-        EncodeAndStore(v, block_max.amax, block_max.has_nan, g, col_out, key0,
-                       key1, flat0 + c * static_cast<uint64_t>(args.m), b,
-                       k0 + c, m0);
+        for (int s = 0; s < 2; ++s) {
+          float v[kBlock];
+#pragma unroll
+          for (int r = 0; r < kBlock; ++r) v[r] = T::FromRaw(w[r] >> (16 * s));
+          MaybeRht(kColRht, v);
+          const BlockMax block_max = BlockAmax(v);
+          const int c = 2 * p + s;
+          EncodeAndStore(v, block_max.amax, block_max.has_nan, g, col_out, key0,
+                         key1, flat0 + c * static_cast<uint64_t>(args.m), b,
+                         k0 + c, m0);
+        }
       }
     }
   }
@@ -1093,51 +1113,51 @@ void LaunchTileKernel(cudaStream_t stream, const TileArgs& args) {
   kernel<<<PersistentGrid(kernel, args.tiles), kThreads, 0, stream>>>(args);
 }
 
-// Whether QuantizeRegisterTileKernel serves these arguments (see there).
-bool RegisterTileApplies(ffi::DataType type, const TileArgs& args) {
+// Whether QuantizePrivateTileKernel serves these arguments (see there).
+bool PrivateTileApplies(ffi::DataType type, const TileArgs& args) {
   return type == ffi::DataType::BF16 && args.x_vec && args.m % kBlock == 0 &&
          args.k % kBlock == 0 && !args.row.tile16 && !args.col.tile16 &&
          !args.row.rht && args.row.codes_aligned && args.col.codes_aligned;
 }
 
 template <bool kRowStochastic, bool kColRht, bool kColStochastic>
-void LaunchRegisterTileKernel(cudaStream_t stream, TileArgs args) {
-  args.m_tiles = (args.m + kRegTileM - 1) / kRegTileM;
-  args.k_tiles = (args.k + kRegTileK - 1) / kRegTileK;
+void LaunchPrivateTileKernel(cudaStream_t stream, TileArgs args) {
+  args.m_tiles = (args.m + kPrivTileM - 1) / kPrivTileM;
+  args.k_tiles = (args.k + kPrivTileK - 1) / kPrivTileK;
   args.tiles = args.batch * args.m_tiles * args.k_tiles;
   const auto grid = static_cast<unsigned int>(std::min(args.tiles, kMaxGrid));
-  QuantizeRegisterTileKernel<kRowStochastic, kColRht, kColStochastic>
-      <<<grid, kRegThreads, 0, stream>>>(args);
+  QuantizePrivateTileKernel<kRowStochastic, kColRht, kColStochastic>
+      <<<grid, kPrivThreads, 0, stream>>>(args);
 }
 
-// The fused quantize with QuantizeRegisterTileKernel's options as constants.
-void LaunchRegisterTile(cudaStream_t stream, const TileArgs& args) {
+// The fused quantize with QuantizePrivateTileKernel's options as constants.
+void LaunchPrivateTile(cudaStream_t stream, const TileArgs& args) {
   const int options = (args.row.stochastic ? 4 : 0) | (args.col.rht ? 2 : 0) |
                       (args.col.stochastic ? 1 : 0);
   switch (options) {
     case 0:
-      LaunchRegisterTileKernel<false, false, false>(stream, args);
+      LaunchPrivateTileKernel<false, false, false>(stream, args);
       break;
     case 1:
-      LaunchRegisterTileKernel<false, false, true>(stream, args);
+      LaunchPrivateTileKernel<false, false, true>(stream, args);
       break;
     case 2:
-      LaunchRegisterTileKernel<false, true, false>(stream, args);
+      LaunchPrivateTileKernel<false, true, false>(stream, args);
       break;
     case 3:
-      LaunchRegisterTileKernel<false, true, true>(stream, args);
+      LaunchPrivateTileKernel<false, true, true>(stream, args);
       break;
     case 4:
-      LaunchRegisterTileKernel<true, false, false>(stream, args);
+      LaunchPrivateTileKernel<true, false, false>(stream, args);
       break;
     case 5:
-      LaunchRegisterTileKernel<true, false, true>(stream, args);
+      LaunchPrivateTileKernel<true, false, true>(stream, args);
       break;
     case 6:
-      LaunchRegisterTileKernel<true, true, false>(stream, args);
+      LaunchPrivateTileKernel<true, true, false>(stream, args);
       break;
     default:
-      LaunchRegisterTileKernel<true, true, true>(stream, args);
+      LaunchPrivateTileKernel<true, true, true>(stream, args);
       break;
   }
 }
@@ -1145,8 +1165,8 @@ void LaunchRegisterTile(cudaStream_t stream, const TileArgs& args) {
 template <bool kRows, bool kCols>
 ffi::Error LaunchTile(cudaStream_t stream, ffi::DataType type,
                       const TileArgs& args) {
-  if (kRows && kCols && RegisterTileApplies(type, args)) {
-    LaunchRegisterTile(stream, args);
+  if (kRows && kCols && PrivateTileApplies(type, args)) {
+    LaunchPrivateTile(stream, args);
     return LaunchError("quantize");
   }
   switch (type) {
