@@ -60,12 +60,15 @@ __device__ __forceinline__ uint32_t IndexBits(float g1, float g2, float g3) {
 }
 
 // The magnitude index of E2M1RoundNearest(v), non-NaN v, as 0x4B000000 +
-// index.
+// index. kBelowSeven: |v| < 7 is known, so rne(|v|/2) + 4 <= 7 and the cap
+// at index 7 changes nothing (one instruction less).
+template <bool kBelowSeven = false>
 __device__ __forceinline__ uint32_t NearestIndexBits(float v) {
   const float a = fabsf(v);
   const float g1 = __fmaf_rn(a, 2.0f, kTwo23);         // 2^23 + rne(2a)
   const float g2 = __fadd_rn(a, kTwo23 + 2.0f);        // 2^23 + rne(a) + 2
   const float g3 = __fmaf_rn(a, 0.5f, kTwo23 + 4.0f);  // 2^23 + rne(a/2) + 4
+  if constexpr (kBelowSeven) return FloatBits(fminf(fminf(g1, g2), g3));
   return IndexBits(g1, g2, g3);
 }
 
@@ -117,10 +120,14 @@ EncodeBlock16WithNan(Block16 block, float encode_multiplier, bool stochastic,
 #endif  // !JAX_NVFP4_CUDA_HEADER_ARITHMETIC
 
 // EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi).
-// `has_nan`: an element of v is NaN.
-__device__ __forceinline__ uint64_t EncodeBlock16Fast(
-    const float (&v)[kBlock], float encode_multiplier, bool has_nan,
-    bool stochastic, uint64_t random_lo, uint64_t random_hi) {
+// `has_nan`: an element of v is NaN. `below_seven` (round to nearest only):
+// every |v[i]| * encode_multiplier is below 7 -- true when the block's amax
+// times the multiplier is (rounding is monotonic), i.e. for every block
+// whose scale neither saturates nor underflows.
+__device__ __forceinline__ uint64_t
+EncodeBlock16Fast(const float (&v)[kBlock], float encode_multiplier,
+                  bool has_nan, bool stochastic, uint64_t random_lo,
+                  uint64_t random_hi, bool below_seven = false) {
 #if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
   return EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi);
 #else
@@ -138,18 +145,25 @@ __device__ __forceinline__ uint64_t EncodeBlock16Fast(
   // elements 0 and 1 (the rest shift out) is subtracted at the end.
   constexpr uint32_t kPackedOffset = 0x4B000000u + (0x4B000000u << 4);
   uint32_t half[2] = {0u, 0u};
+  if (stochastic) {
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) {
-    uint32_t bits;
-    if (stochastic) {
+    for (int i = 0; i < kBlock; ++i) {
       const uint64_t bytes = i < 8 ? random_lo : random_hi;
       const uint32_t word =
           static_cast<uint32_t>(bytes >> (32 * ((i >> 2) & 1)));
-      bits = StochasticIndexBits(scaled[i], ByteAsFloat(word, i & 3));
-    } else {
-      bits = NearestIndexBits(scaled[i]);
+      half[i >> 3] += StochasticIndexBits(scaled[i], ByteAsFloat(word, i & 3))
+                      << (4 * (i & 7));
     }
-    half[i >> 3] += bits << (4 * (i & 7));
+  } else if (below_seven) {
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) {
+      half[i >> 3] += NearestIndexBits<true>(scaled[i]) << (4 * (i & 7));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) {
+      half[i >> 3] += NearestIndexBits(scaled[i]) << (4 * (i & 7));
+    }
   }
   // Signs: those of v (the multiplier is positive; -0.0 keeps its sign).
   const uint32_t lo = (half[0] - kPackedOffset) | SignNibbles8(scaled);

@@ -252,8 +252,8 @@ EncodeBlock(const float (&v)[kBlock], float block_amax, bool has_nan,
     packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/true,
                                random_lo, random_hi);
   } else {
-    packed =
-        EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/false, 0, 0);
+    packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/false, 0,
+                               0, block_amax * multiplier < 7.0f);
   }
   return {packed, scale.byte};
 }
@@ -700,7 +700,7 @@ __global__ void __launch_bounds__(kPrivThreads)
       const GlobalScale g = GlobalScaleOf(row_out, b);
       const uint64_t flat0 =
           static_cast<uint64_t>((b * args.m + m0) * args.k + k0);
-#pragma unroll 1
+#pragma unroll 2  // two independent blocks in flight
       for (int r = 0; r < kBlock; ++r) {
         float v[kBlock];
 #pragma unroll
