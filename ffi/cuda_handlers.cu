@@ -713,29 +713,23 @@ __global__ void __launch_bounds__(kPrivThreads)
                        m0 + r, k0);
       }
     }
-    {  // Columns 4p .. 4p + 3 along m: output element (b, k0 + c, m0).
+    {  // Columns 2p and 2p + 1 along m: output element (b, k0 + c, m0).
       const GlobalScale g = GlobalScaleOf(col_out, b);
       const uint64_t flat0 =
           static_cast<uint64_t>((b * args.k + k0) * args.m + m0);
-      constexpr int kColsPerStep = 4;  // four independent blocks in flight
 #pragma unroll 1
-      for (int p = 0; p < kBlock / kColsPerStep; ++p) {
-        uint32_t w[kBlock][kColsPerStep / 2];
+      for (int p = 0; p < kRowWords; ++p) {
+        uint32_t w[kBlock];
 #pragma unroll
-        for (int r = 0; r < kBlock; ++r) {
-          w[r][0] = slice[kRowWords * r + 2 * p];
-          w[r][1] = slice[kRowWords * r + 2 * p + 1];
-        }
+        for (int r = 0; r < kBlock; ++r) w[r] = slice[kRowWords * r + p];
 #pragma unroll
-        for (int s = 0; s < kColsPerStep; ++s) {
+        for (int s = 0; s < 2; ++s) {
           float v[kBlock];
 #pragma unroll
-          for (int r = 0; r < kBlock; ++r) {
-            v[r] = T::FromRaw(w[r][s / 2] >> (16 * (s % 2)));
-          }
+          for (int r = 0; r < kBlock; ++r) v[r] = T::FromRaw(w[r] >> (16 * s));
           MaybeRht(kColRht, v);
           const BlockMax block_max = BlockAmax(v);
-          const int c = kColsPerStep * p + s;
+          const int c = 2 * p + s;
           EncodeAndStore(v, block_max.amax, block_max.has_nan, g, col_out, key0,
                          key1, flat0 + c * static_cast<uint64_t>(args.m), b,
                          k0 + c, m0);
