@@ -3,12 +3,15 @@
 // --fmad=false and without fast-math so that every float operation rounds as
 // written (IEEE division, no FMA contraction, no flush to zero).
 //
-// Kernels (256 threads per CTA):
+// Kernels (256 threads per CTA unless noted):
+//   * QuantizePrivateTileKernel (64 threads): the recipe's fused bf16
+//     quantize (1x16 blocks both ways, m and k multiples of 16); each thread
+//     quantizes one 16x16 tile both ways from its own slice of shared memory.
 //   * QuantizeTileKernel: persistent CTAs over 128 (m) x 64 (k) tiles of
 //     x[b]; a tile is read once with coalesced 16-byte loads into shared
 //     memory, quantized along k (rows) and along m (columns) from there, and
 //     its code and scale bytes are written back in whole sectors. Serves
-//     quantize_cols and the fused quantize_rows_cols.
+//     quantize_cols and the other fused quantize_rows_cols cases.
 //   * QuantizeRowsKernel: persistent threads, one 16-element block along k
 //     at a time (the next block's loads in flight).
 //   * AmaxKernel: one thread per 16-element chunk along the transformed axis,
@@ -622,9 +625,10 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
 // columns along m from there -- no barrier, no shuffle, no second read of x.
 // The slice (not registers) holds the tile so that the row and column loops
 // can stay loops: code indexed by a loop counter cannot address registers,
-// and the fully unrolled kernel (~200 KB of code) ran out of the instruction
-// cache (measured 2.3x slower on an H200). The rounding and RHT options are
-// template arguments: one straight path per instantiation.
+// and the fully unrolled register-only form (~200 KB of code per
+// instantiation) was 3x slower on an H200 (752 vs 246 us at 16384 x 8192,
+// issue slots 20% busy: the instruction cache). The rounding and RHT options
+// are template arguments: one straight path per instantiation.
 //
 // Slice layout: 129 words per thread, row r of the tile in words 8r .. 8r + 7
 // (element j in half j % 2 of word j / 2): word w of lane l is in bank
