@@ -27,7 +27,7 @@ bash benchmarks/gpu_tests_parallel.sh "$tests"
 [ -n "${SKIP_QUANTIZE_BENCH:-}" ] || timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
 if [ -z "${SKIP_LINEAR_BENCH:-}" ]; then
 mkdir -p "$OUT/hlo"
-timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" --hlo-dir "$OUT/hlo" \
+timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" --hlo-dir "$OUT/hlo" \
   --linear "${LINEAR_SHAPES:-8192x4096x14336,16384x8192x28672}" 2>&1 | tee "$OUT/linear_bench.txt" | tail -30
 fi
 [ -n "${SKIP_SANITIZER:-}" ] && exit 0

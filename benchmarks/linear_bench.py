@@ -1,9 +1,12 @@
 """FP4 GEMM and the NVFP4 linear layer (forward + backward) against bf16.
 
-    python benchmarks/linear_bench.py [--out results.json] [--hlo-dir DIR]
+    python benchmarks/linear_bench.py [--out results.json] [--hlo-dir DIR] [--rounds 3]
 
-Rows, in one run (median of several calls of a jitted function that applies
-the op to REPEAT distinct inputs; time per op):
+Rows, in one run (median of CALLS calls of a jitted function that applies
+the op to REPEAT inputs; time per op). The ops of one table are timed in
+turns, --rounds times, and each ratio to bf16 is taken within a round: the
+bf16 baseline moved up to 10% between device sessions, and interleaving
+keeps such drift out of the ratios (median, min and max over rounds):
   gemm bf16            jnp.dot, bf16 [S, S] x [S, S], float32 accumulation
   gemm nvfp4           jax_nvfp4.matmul from NVFP4 operands (Hopper: bf16
                        decode + bf16 GEMM)
@@ -36,15 +39,49 @@ REPEAT = 4
 CALLS = 7
 
 
-def timed(fn, inputs):
+def timer(fn, inputs):
+    """A compiled, warmed-up measurement: each call returns the median over
+    CALLS calls of the time per op."""
     run = jax.jit(lambda xs: [fn(*x) for x in xs])
     jax.block_until_ready(run(inputs))
-    samples = []
-    for _ in range(CALLS):
-        start = time.perf_counter()
-        jax.block_until_ready(run(inputs))
-        samples.append((time.perf_counter() - start) / len(inputs))
-    return statistics.median(samples)
+
+    def measure():
+        samples = []
+        for _ in range(CALLS):
+            start = time.perf_counter()
+            jax.block_until_ready(run(inputs))
+            samples.append((time.perf_counter() - start) / len(inputs))
+        return statistics.median(samples)
+
+    return measure
+
+
+def interleaved(timers, rounds):
+    """Times every op once per round, the ops taking turns, so that a drift
+    of the device (clocks, temperature, neighbours) shows in all of them
+    alike. Returns {name: [seconds per round]}; an op whose timer could not be
+    built (None) gets NaNs."""
+    times = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, measure in timers.items():
+            times[name].append(measure() if measure else float("nan"))
+    return times
+
+
+def _ratio_summary(times, base):
+    """Median time per op and the per-round ratio to `base` (min, median,
+    max): the ratio of the same round is what drift cancels out of."""
+    out = {}
+    for name, ts in times.items():
+        ratios = [t / b for t, b in zip(ts, times[base], strict=True)]
+        out[name] = {
+            "ms": statistics.median(ts) * 1e3,
+            "ms_per_round": [t * 1e3 for t in ts],
+            "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+        }
+    return out
 
 
 def _scaled_dot(x, w):
@@ -54,15 +91,15 @@ def _scaled_dot(x, w):
     )
 
 
-def _try(fn):
+def _try(fn, fallback=float("nan")):
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 -- an optional baseline
         print("skipped:", type(e).__name__, str(e)[:200])
-        return float("nan")
+        return fallback
 
 
-def bench_gemm(s, hlo_dir=None):
+def bench_gemm(s, rounds, hlo_dir=None):
     keys = jax.random.split(jax.random.key(0), 2 * REPEAT)
     pairs = [
         (
@@ -76,11 +113,12 @@ def bench_gemm(s, hlo_dir=None):
         text = jax.jit(nv.matmul).lower(*quantized[0]).compile().as_text()
         with open(f"{hlo_dir}/gemm_nvfp4_{s}.hlo.txt", "w") as f:
             f.write(text)
-    return {
-        "gemm bf16": timed(jnp.dot, pairs),
-        "gemm nvfp4": timed(nv.matmul, quantized),
-        "gemm scaled_matmul": _try(lambda: timed(_scaled_dot, pairs)),
+    timers = {
+        "gemm bf16": timer(jnp.dot, pairs),
+        "gemm nvfp4": timer(nv.matmul, quantized),
+        "gemm scaled_matmul": _try(lambda: timer(_scaled_dot, pairs), None),
     }
+    return _ratio_summary(interleaved(timers, rounds), "gemm bf16")
 
 
 def _residual_bytes(dot, x, w):
@@ -100,7 +138,7 @@ def _step_peak_bytes(step, x, w):
     )
 
 
-def bench_linear(tokens, k, n, hlo_dir=None):
+def bench_linear(tokens, k, n, rounds, hlo_dir=None):
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
     w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 0.02
@@ -120,10 +158,11 @@ def bench_linear(tokens, k, n, hlo_dir=None):
         "fake-quant": lambda x, w: nv.dot(x, w, key=key, recipe=fake),
         "scaled_dot": _scaled_dot,
     }
-    times = {
-        f"linear {name}": _try(lambda d=d: timed(step(d), inputs))
+    timers = {
+        f"linear {name}": _try(lambda d=d: timer(step(d), inputs), None)
         for name, d in dots.items()
     }
+    times = _ratio_summary(interleaved(timers, rounds), "linear bf16")
     memory = {
         name: {
             "residual_bytes": _try(lambda d=d: _residual_bytes(d, x, w)),
@@ -139,6 +178,15 @@ def bench_linear(tokens, k, n, hlo_dir=None):
     return times, memory
 
 
+def _print_times(summary):
+    print(f"{'op':>22} {'ms':>8} {'vs bf16':>8} {'(min..max over rounds)':>24}")
+    for name, r in summary.items():
+        print(
+            f"{name:>22} {r['ms']:8.3f} {r['ratio_median']:8.2f}"
+            f"   ({r['ratio_min']:.2f}..{r['ratio_max']:.2f})"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -149,35 +197,30 @@ def main():
         default="8192x4096x14336,16384x8192x28672",
         help="comma-separated TOKENSxKxN shapes",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="each op is timed once per round, the ops taking turns; ratios "
+        "are taken within a round (median, min and max are reported)",
+    )
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind} | jax {jax.__version__}")
-    results = {"gemm": bench_gemm(args.gemm, args.hlo_dir), "linear": {}}
-    print(f"{'op':>22} {'ms':>8} {'vs bf16':>8}")
-    for name, t in results["gemm"].items():
-        print(f"{name:>22} {t * 1e3:8.3f} {t / results['gemm']['gemm bf16']:8.2f}")
+    results = {"gemm": bench_gemm(args.gemm, args.rounds, args.hlo_dir), "linear": {}}
+    _print_times(results["gemm"])
     for shape in args.linear.split(","):
-        times, memory = bench_linear(*map(int, shape.split("x")), args.hlo_dir)
-        results["linear"][shape] = {"times": times, "memory": memory}
+        times, memory = bench_linear(
+            *map(int, shape.split("x")), args.rounds, args.hlo_dir
+        )
+        results["linear"][shape] = {"times": times, "memory_bytes": memory}
         print(f"linear {shape} (forward + backward)")
-        base = times["linear bf16"]
-        for name, t in times.items():
-            print(f"{name:>22} {t * 1e3:8.3f} {t / base:8.2f}")
+        _print_times(times)
         print(f"{'':>22} {'residual MB':>12} {'vs bf16':>8} {'step peak MB':>13}")
         for name, m in memory.items():
             r, p = m["residual_bytes"], m["step_peak_bytes"]
             ratio = r / memory["bf16"]["residual_bytes"]
             print(f"{name:>22} {r / 2**20:12.1f} {ratio:8.3f} {p / 2**20:13.1f}")
     if args.out:
-        ms = {
-            "gemm": {k: v * 1e3 for k, v in results["gemm"].items()},
-            "linear": {
-                shape: {
-                    "ms": {k: v * 1e3 for k, v in r["times"].items()},
-                    "memory_bytes": r["memory"],
-                }
-                for shape, r in results["linear"].items()
-            },
-        }
         with open(args.out, "w") as f:
             json.dump(
                 {
@@ -185,7 +228,9 @@ def main():
                     "device": jax.devices()[0].device_kind,
                     "jax": jax.__version__,
                     "gemm_size": args.gemm,
-                    "results": ms,
+                    "rounds": args.rounds,
+                    "calls_per_measurement": CALLS,
+                    "results": results,
                 },
                 f,
                 indent=1,
