@@ -77,6 +77,26 @@ def test_2d_tiles_same_values_either_axis():
     assert not np.array_equal(a, b)
 
 
+def fused_matches_reference(x, key, **kwargs):
+    """The fused quantize under jit (the handlers) against the pure-JAX
+    reference on the CPU: the same bytes both ways. Returns the fused pair."""
+    rows, cols = jax.jit(
+        lambda x, k: nv.quantize_rowwise_and_columnwise(x, key=k, **kwargs)
+    )(x, key)
+    ref_rows, ref_cols = on_cpu(
+        functools.partial(
+            nv.quantize_rowwise_and_columnwise,
+            key=key,
+            implementation="reference",
+            **kwargs,
+        ),
+        x,
+    )
+    assert_same_bytes(rows, ref_rows)
+    assert_same_bytes(cols, ref_cols)
+    return rows, cols
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize(
     "row_rht,col_rht", [(False, True), (False, False), (True, True)]
@@ -92,20 +112,7 @@ def test_fused_rowwise_columnwise(dtype, row_rht, col_rht, col_rounding):
         row_block="16x16",
         col_block="1x16",
     )
-    rows, cols = jax.jit(
-        lambda x, k: nv.quantize_rowwise_and_columnwise(x, key=k, **kwargs)
-    )(x, key)
-    ref_rows, ref_cols = on_cpu(
-        functools.partial(
-            nv.quantize_rowwise_and_columnwise,
-            key=key,
-            implementation="reference",
-            **kwargs,
-        ),
-        x,
-    )
-    assert_same_bytes(rows, ref_rows)
-    assert_same_bytes(cols, ref_cols)
+    rows, cols = fused_matches_reference(x, key, **kwargs)
     # Same bytes as the two separate quantizations.
     assert_same_bytes(rows, nv.quantize(x, -1, block="16x16", rht=row_rht))
     assert_same_bytes(
@@ -147,20 +154,7 @@ def test_fused_recipe_options_match_reference(
     )
     if amax is not None:
         kwargs.update(row_amax=jnp.float32(amax), col_amax=jnp.float32(amax))
-    rows, cols = jax.jit(
-        lambda x, k: nv.quantize_rowwise_and_columnwise(x, key=k, **kwargs)
-    )(x, key)
-    ref_rows, ref_cols = on_cpu(
-        functools.partial(
-            nv.quantize_rowwise_and_columnwise,
-            key=key,
-            implementation="reference",
-            **kwargs,
-        ),
-        x,
-    )
-    assert_same_bytes(rows, ref_rows)
-    assert_same_bytes(cols, ref_cols)
+    rows, cols = fused_matches_reference(x, key, **kwargs)
 
 
 def test_dequantize_matches_reference_and_dtypes():
