@@ -4,6 +4,10 @@
         gpu__time_duration.sum,smsp__inst_executed.sum \
         python benchmarks/quantize_profile.py [--shape 8192x4096]
 
+Where the idle issue slots go (the v4 kernel issues in 63% of cycles; not
+profiled yet): add `--section WarpStateStats --section SchedulerStats
+--section Occupancy --section InstructionStats` to the same command.
+
 Amaxes are passed in, so the custom call of the fused quantize is the only
 quantize kernel launched per configuration: x (columns RHT, nearest) and
 dY (columns RHT, stochastic), bf16.
