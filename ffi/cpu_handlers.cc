@@ -153,11 +153,12 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
                         ffi::Result<ffi::Buffer<ffi::U8>> codes,
                         ffi::Result<ffi::AnyBuffer> scales, int64_t tile_rows,
                         bool stochastic, bool rht, int64_t stream,
-                        int64_t global_m, int64_t global_k) {
+                        int64_t global_m, int64_t global_k,
+                        int64_t example_batch) {
   const QuantizeOptions options{tile_rows, stochastic, rht, stream};
   return QuantizeOutput(x, kTranspose, amax, key, origin,
-                        GlobalPlace{global_m, global_k}, options, codes,
-                        scales);
+                        GlobalPlace{global_m, global_k, example_batch}, options,
+                        codes, scales);
 }
 
 ffi::Error QuantizeRowsColsImpl(
@@ -169,8 +170,9 @@ ffi::Error QuantizeRowsColsImpl(
     ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
     bool row_stochastic, bool row_rht, int64_t row_stream,
     int64_t col_tile_rows, bool col_stochastic, bool col_rht,
-    int64_t col_stream, int64_t global_m, int64_t global_k) {
-  const GlobalPlace place{global_m, global_k};
+    int64_t col_stream, int64_t global_m, int64_t global_k,
+    int64_t example_batch) {
+  const GlobalPlace place{global_m, global_k, example_batch};
   const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
                              row_stream};
   const QuantizeOptions cols{col_tile_rows, col_stochastic, col_rht,
@@ -384,7 +386,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsCpu,
                                   .Attr<bool>("rht")
                                   .Attr<int64_t>("stream")
                                   .Attr<int64_t>("global_m")
-                                  .Attr<int64_t>("global_k"));
+                                  .Attr<int64_t>("global_k")
+                                  .Attr<int64_t>("example_batch"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxNvfp4QuantizeColsCpu, jax_nvfp4::QuantizeImpl<true>,
@@ -400,7 +403,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("rht")
         .Attr<int64_t>("stream")
         .Attr<int64_t>("global_m")
-        .Attr<int64_t>("global_k"));
+        .Attr<int64_t>("global_k")
+        .Attr<int64_t>("example_batch"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsColsCpu,
                               jax_nvfp4::QuantizeRowsColsImpl,
@@ -423,7 +427,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsColsCpu,
                                   .Attr<bool>("col_rht")
                                   .Attr<int64_t>("col_stream")
                                   .Attr<int64_t>("global_m")
-                                  .Attr<int64_t>("global_k"));
+                                  .Attr<int64_t>("global_k")
+                                  .Attr<int64_t>("example_batch"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4AmaxCpu, jax_nvfp4::AmaxImpl,
                               ffi::Ffi::Bind()

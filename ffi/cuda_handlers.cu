@@ -635,8 +635,9 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
 // (l + w) % 32, so the warp's 32-bit accesses to one word are conflict-free.
 // Lanes: 8 along k by 4 along m, so a warp covers 64 (m) x 128 (k): its loads
 // read 256 contiguous bytes of each of its rows, its row-code stores write
-// 64 contiguous bytes per row, and each of its column-code stores writes one
-// whole 32-byte sector (4 lanes x 8 bytes) of each of 8 output rows. A CTA
+// 64 contiguous bytes per row, and each of its column-code stores writes 32
+// contiguous bytes (4 lanes x 8 bytes; one whole sector when m % 64 == 0) of
+// each of 8 output rows. A CTA
 // is 2 warps along m, 128 (m) x 128 (k), with 33 KB of shared memory.
 // ---------------------------------------------------------------------------
 constexpr int kPrivThreads = 64;
@@ -1208,8 +1209,8 @@ ffi::Error QuantizeRowsCuda(
     ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> origin,
     ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::AnyBuffer> scales,
     int64_t tile_rows, bool stochastic, bool rht, int64_t stream_id,
-    int64_t global_m, int64_t global_k) {
-  const GlobalPlace place{global_m, global_k};
+    int64_t global_m, int64_t global_k, int64_t example_batch) {
+  const GlobalPlace place{global_m, global_k, example_batch};
   const QuantizeOptions options{tile_rows, stochastic, rht, stream_id};
   MatrixDims d;
   if (auto e = CheckQuantizePlaced(x, /*transpose=*/false, amax, key, origin,
@@ -1254,8 +1255,8 @@ ffi::Error QuantizeColsCuda(
     ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> origin,
     ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::AnyBuffer> scales,
     int64_t tile_rows, bool stochastic, bool rht, int64_t stream_id,
-    int64_t global_m, int64_t global_k) {
-  const GlobalPlace place{global_m, global_k};
+    int64_t global_m, int64_t global_k, int64_t example_batch) {
+  const GlobalPlace place{global_m, global_k, example_batch};
   const QuantizeOptions options{tile_rows, stochastic, rht, stream_id};
   MatrixDims d;
   if (auto e = CheckQuantizePlaced(x, /*transpose=*/true, amax, key, origin,
@@ -1281,8 +1282,9 @@ ffi::Error QuantizeRowsColsCuda(
     ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
     bool row_stochastic, bool row_rht, int64_t row_stream,
     int64_t col_tile_rows, bool col_stochastic, bool col_rht,
-    int64_t col_stream, int64_t global_m, int64_t global_k) {
-  const GlobalPlace place{global_m, global_k};
+    int64_t col_stream, int64_t global_m, int64_t global_k,
+    int64_t example_batch) {
+  const GlobalPlace place{global_m, global_k, example_batch};
   const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
                              row_stream};
   const QuantizeOptions cols{col_tile_rows, col_stochastic, col_rht,
@@ -1433,7 +1435,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("rht")
         .Attr<int64_t>("stream")
         .Attr<int64_t>("global_m")
-        .Attr<int64_t>("global_k"),
+        .Attr<int64_t>("global_k")
+        .Attr<int64_t>("example_batch"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -1451,7 +1454,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("rht")
         .Attr<int64_t>("stream")
         .Attr<int64_t>("global_m")
-        .Attr<int64_t>("global_k"),
+        .Attr<int64_t>("global_k")
+        .Attr<int64_t>("example_batch"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -1476,7 +1480,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("col_rht")
         .Attr<int64_t>("col_stream")
         .Attr<int64_t>("global_m")
-        .Attr<int64_t>("global_k"),
+        .Attr<int64_t>("global_k")
+        .Attr<int64_t>("example_batch"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -38,6 +38,9 @@ struct MatrixDims {
 struct GlobalPlace {
   int64_t global_m;
   int64_t global_k;
+  // > 0: the batch folds vmap examples of this many matrices each, and every
+  // example's index starts at 0 (as a loop over the examples would draw).
+  int64_t example_batch;
 };
 
 // Flat index in the whole quantized tensor [batch, rows, len] of local
@@ -50,8 +53,9 @@ NVFP4_HD uint64_t GlobalRandomIndex(const int32_t* origin, const GlobalPlace& g,
   const int64_t len = transposed ? g.global_m : g.global_k;
   const int64_t r0 = origin[transposed ? 2 : 1];
   const int64_t l0 = origin[transposed ? 1 : 2];
-  return static_cast<uint64_t>(((origin[0] + b) * rows + r0 + r) * len + l0 +
-                               l);
+  int64_t matrix = origin[0] + b;
+  if (g.example_batch > 0) matrix %= g.example_batch;
+  return static_cast<uint64_t>((matrix * rows + r0 + r) * len + l0 + l);
 }
 
 inline ffi::Error InvalidArgument(const std::string& message) {

@@ -143,10 +143,21 @@ def _unbatched_origin(origin, d):
     return origin
 
 
+def _example_batch(x, xd, params):
+    """The stochastic-rounding index restarts at every vmap example (of
+    x.shape[0] matrices), as in a loop over the examples; a nested vmap keeps
+    the innermost example's size."""
+    if params.get("example_batch", 0) == 0:
+        per_example = x.shape[:xd] + x.shape[xd + 1 :] if xd is not None else x.shape
+        params = {**params, "example_batch": per_example[0]}
+    return params
+
+
 def _quantize_batch(prim, args, dims, **params):
     x, amax, key, origin = args
     xd, ad, kd, od = dims
     size = _batch_size(args, dims)
+    params = _example_batch(x, xd, params)
     x = _fold(x, xd, size)
     batch = x.shape[0]
     outs = prim.bind(
@@ -163,6 +174,7 @@ def _quantize_rows_cols_batch(args, dims, **params):
     x, row_amax, col_amax, key, origin = args
     xd, rd, cd, kd, od = dims
     size = _batch_size(args, dims)
+    params = _example_batch(x, xd, params)
     x = _fold(x, xd, size)
     batch = x.shape[0]
     outs = quantize_rows_cols_p.bind(
@@ -538,6 +550,7 @@ def _place(x, origin, params):
     _, m, k = x.shape
     params["global_m"] = params.get("global_m") or m
     params["global_k"] = params.get("global_k") or k
+    params.setdefault("example_batch", 0)  # set by the vmap rule
     return jnp.zeros(3, jnp.int32) if origin is None else origin, params
 
 

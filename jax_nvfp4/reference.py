@@ -238,6 +238,7 @@ def random_bytes(
     stream: int,
     origin=None,
     global_shape: tuple[int, int] | None = None,
+    example_batch: int = 0,
 ):
     """uint8 random bytes for a quantized layout [batch, rows, len].
 
@@ -246,15 +247,19 @@ def random_bytes(
     For one shard of a larger tensor, ``origin`` = (b0, r0, l0) places it in
     the whole tensor of ``global_shape`` = (rows, len), and f is the flat
     index there (so every shard draws what one device would).
+    ``example_batch`` > 0: the batch folds vmap examples of that many matrices
+    each, and b counts within the example (b0 + b modulo example_batch), so
+    each example draws what it would outside vmap.
     """
     batch, rows, length = shape
     g_rows, g_len = global_shape or (rows, length)
     o = jnp.zeros(3, jnp.uint32) if origin is None else origin.astype(jnp.uint32)
     n_key = key.shape[0]
     # f // 8 = row * (len / 8) + (l0 + l) // 8 (len and l0 are multiples of 16).
-    row = (o[0] + lax.iota(jnp.uint32, batch)[:, None]) * _u32(g_rows) + (
-        o[1] + lax.iota(jnp.uint32, rows)[None, :]
-    )
+    matrix = o[0] + lax.iota(jnp.uint32, batch)[:, None]
+    if example_batch:
+        matrix = matrix % _u32(example_batch)
+    row = matrix * _u32(g_rows) + (o[1] + lax.iota(jnp.uint32, rows)[None, :])
     col = (o[2] + lax.iota(jnp.uint32, length // 8)[None, None, :] * 8) // 8
     w = (row[:, :, None] * _u32(g_len // 8) + col).reshape(batch, -1)
     k = jnp.repeat(key, batch // n_key, axis=0)
@@ -266,7 +271,17 @@ def random_bytes(
 
 
 def _quantize_oriented(
-    q, amax, key, *, tile_rows, stochastic, rht, stream, origin, global_shape
+    q,
+    amax,
+    key,
+    *,
+    tile_rows,
+    stochastic,
+    rht,
+    stream,
+    origin,
+    global_shape,
+    example_batch=0,
 ):
     """Quantizes q [batch, rows, len] (float32) along len; ``origin`` and
     ``global_shape`` place it in the whole tensor (see ``random_bytes``)."""
@@ -287,7 +302,7 @@ def _quantize_oriented(
     multiplier = jnp.fmin(divide(_F32(1), scale * s_dec[bcast]), FLT_MAX)
     v = tiles * multiplier[:, :, None, :, None]
     if stochastic:
-        rnd = random_bytes(key, q.shape, stream, origin, global_shape)
+        rnd = random_bytes(key, q.shape, stream, origin, global_shape, example_batch)
         rnd = rnd.reshape(v.shape)
         codes = e2m1_round_stochastic(v, rnd)
     else:
@@ -323,8 +338,8 @@ def quantize_rows(
 ):
     """x [b, m, k] -> (codes [b, m, k/2], scales [b, m, k/16]) along k.
 
-    options: tile_rows, stochastic, rht, stream. ``origin`` and
-    ``global_m``/``global_k`` place x in a larger tensor (see
+    options: tile_rows, stochastic, rht, stream, example_batch. ``origin``
+    and ``global_m``/``global_k`` place x in a larger tensor (see
     ``random_bytes``).
     """
     return _quantize_placed(x, amax, key, origin, False, global_m, global_k, **options)
@@ -354,9 +369,10 @@ def quantize_rows_cols(
     col_stream,
     global_m=None,
     global_k=None,
+    example_batch=0,
 ):
     """Both quantizations of x [b, m, k]: along k (row-wise) and along m."""
-    place = dict(global_m=global_m, global_k=global_k)
+    place = dict(global_m=global_m, global_k=global_k, example_batch=example_batch)
     rows = quantize_rows(
         x,
         row_amax,

@@ -139,10 +139,11 @@ def _edge_blocks(x):
 def test_fused_recipe_options_match_reference(
     row_rounding, col_rht, col_rounding, amax
 ):
-    """The recipe's fused quantize (bfloat16, 1x16 both ways: the CUDA
-    register-tile kernel) for each rounding/RHT option, on a shape that is a
-    multiple of 16 but not of the kernel's 256 x 128 CTA tile, with NaN, inf
-    and all-zero blocks; amax=0.5 (below the data's) saturates the scales."""
+    """The recipe's fused quantize (bfloat16, 1x16 both ways: on a GPU the
+    CUDA QuantizePrivateTileKernel) for each rounding/RHT option, on a shape
+    that is a multiple of 16 but not of the kernel's 128 x 128 CTA tile, with
+    NaN, inf and all-zero blocks; amax=0.5 (below the data's) saturates the
+    scales."""
     x = _edge_blocks(outlier_data(13, (2, 272, 176), jnp.bfloat16))
     key = jax.random.key(5)
     kwargs = dict(
@@ -154,7 +155,7 @@ def test_fused_recipe_options_match_reference(
     )
     if amax is not None:
         kwargs.update(row_amax=jnp.float32(amax), col_amax=jnp.float32(amax))
-    rows, cols = fused_matches_reference(x, key, **kwargs)
+    fused_matches_reference(x, key, **kwargs)
 
 
 def test_dequantize_matches_reference_and_dtypes():

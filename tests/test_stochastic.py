@@ -133,3 +133,60 @@ def test_a_shard_draws_the_bits_of_its_place_in_the_whole_tensor():
     # And the block's own quantization (origin 0) draws different bits.
     alone = _quantize_block(primitives, block, (0, 0, 0), (32, 32), amaxes, words)
     assert np.mean(np.asarray(alone[0]) != np.asarray(expected[0])) > 0.1
+
+
+def _sr_both_ways(x, key, implementation="ffi"):
+    """Every stochastic-rounding primitive: rows, columns and the fused pair."""
+    return (
+        _sr(x, key, implementation=implementation),
+        _sr(x, key, axis=-2, implementation=implementation),
+        *nv.quantize_rowwise_and_columnwise(
+            x,
+            key=key,
+            row_rounding="stochastic",
+            col_rht=True,
+            col_rounding="stochastic",
+            implementation=implementation,
+        ),
+    )
+
+
+def _assert_example(batched, i, want):
+    for t, w in zip(batched, want, strict=True):
+        np.testing.assert_array_equal(t.codes[i], w.codes)
+        np.testing.assert_array_equal(
+            t.scales[i].view(np.uint8), w.scales.view(np.uint8)
+        )
+
+
+def test_vmap_draws_what_a_loop_draws():
+    """vmap folds the examples into one handler call; each example's
+    stochastic-rounding index still starts at 0, so the bytes equal a loop
+    over the examples, with a key per example or one shared key (which,
+    as outside vmap, gives every example the same bits), and equal the pure-JAX
+    reference under vmap."""
+    xs = jnp.asarray(
+        np.random.default_rng(0).standard_normal((3, 2, 32, 48)), jnp.bfloat16
+    )
+    keys = jax.random.split(jax.random.key(4), 3)
+    mapped = jax.jit(jax.vmap(_sr_both_ways))(xs, keys)
+    shared = jax.jit(jax.vmap(_sr_both_ways, in_axes=(0, None)))(xs, keys[0])
+    for i in range(3):
+        _assert_example(mapped, i, _sr_both_ways(xs[i], keys[i]))
+        _assert_example(shared, i, _sr_both_ways(xs[i], keys[0]))
+    reference = on_cpu(
+        jax.vmap(functools.partial(_sr_both_ways, implementation="reference")),
+        xs,
+        keys,
+    )
+    for got, want in zip(mapped, reference, strict=True):
+        assert_same_bytes(got, want)
+    # Nested vmap: the innermost example is what restarts the index.
+    nested = jax.jit(jax.vmap(jax.vmap(_sr_both_ways)))(
+        xs.reshape(3, 2, 1, 32, 48), jnp.stack([keys[:2]] * 3)
+    )
+    for i in range(3):
+        for j in range(2):
+            want = _sr_both_ways(xs[i, j][None], keys[j])
+            for t, w in zip(nested, want, strict=True):
+                np.testing.assert_array_equal(t.codes[i, j], w.codes)
