@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_session.sh [tests-to-run]
 # SKIP_QUANTIZE_BENCH=1 / SKIP_LINEAR_BENCH=1 / SKIP_SANITIZER=1 leave those steps out; LINEAR_SHAPES,
 # SANITIZERS ("memcheck racecheck") and PYTEST_TIMEOUT narrow a short call.
+# The linear bench times 3 interleaved rounds (~400 s for both shapes): with the
+# tests it needs a device call of its own (the limit is 600 s per call).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
