@@ -1125,45 +1125,26 @@ bool PrivateTileApplies(ffi::DataType type, const TileArgs& args) {
          !args.row.rht && args.row.codes_aligned && args.col.codes_aligned;
 }
 
-template <bool kRowStochastic, bool kColRht, bool kColStochastic>
-void LaunchPrivateTileKernel(cudaStream_t stream, TileArgs args) {
-  args.m_tiles = (args.m + kPrivTileM - 1) / kPrivTileM;
-  args.k_tiles = (args.k + kPrivTileK - 1) / kPrivTileK;
-  args.tiles = args.batch * args.m_tiles * args.k_tiles;
-  const auto grid = static_cast<unsigned int>(std::min(args.tiles, kMaxGrid));
-  QuantizePrivateTileKernel<kRowStochastic, kColRht, kColStochastic>
-      <<<grid, kPrivThreads, 0, stream>>>(args);
-}
-
-// The fused quantize with QuantizePrivateTileKernel's options as constants.
-void LaunchPrivateTile(cudaStream_t stream, const TileArgs& args) {
-  const int options = (args.row.stochastic ? 4 : 0) | (args.col.rht ? 2 : 0) |
-                      (args.col.stochastic ? 1 : 0);
-  switch (options) {
-    case 0:
-      LaunchPrivateTileKernel<false, false, false>(stream, args);
-      break;
-    case 1:
-      LaunchPrivateTileKernel<false, false, true>(stream, args);
-      break;
-    case 2:
-      LaunchPrivateTileKernel<false, true, false>(stream, args);
-      break;
-    case 3:
-      LaunchPrivateTileKernel<false, true, true>(stream, args);
-      break;
-    case 4:
-      LaunchPrivateTileKernel<true, false, false>(stream, args);
-      break;
-    case 5:
-      LaunchPrivateTileKernel<true, false, true>(stream, args);
-      break;
-    case 6:
-      LaunchPrivateTileKernel<true, true, false>(stream, args);
-      break;
-    default:
-      LaunchPrivateTileKernel<true, true, true>(stream, args);
-      break;
+// Launches QuantizePrivateTileKernel<kOptions...> once every option (row
+// stochastic, column RHT, column stochastic, in that order) is a constant:
+// each call turns the next runtime flag into a template argument.
+template <bool... kOptions, typename... Flags>
+void LaunchPrivateTile(cudaStream_t stream, TileArgs args, Flags... flags) {
+  if constexpr (sizeof...(Flags) == 0) {
+    args.m_tiles = (args.m + kPrivTileM - 1) / kPrivTileM;
+    args.k_tiles = (args.k + kPrivTileK - 1) / kPrivTileK;
+    args.tiles = args.batch * args.m_tiles * args.k_tiles;
+    const auto grid = static_cast<unsigned int>(std::min(args.tiles, kMaxGrid));
+    QuantizePrivateTileKernel<kOptions...>
+        <<<grid, kPrivThreads, 0, stream>>>(args);
+  } else {
+    [&](bool flag, auto... rest) {
+      if (flag) {
+        LaunchPrivateTile<kOptions..., true>(stream, args, rest...);
+      } else {
+        LaunchPrivateTile<kOptions..., false>(stream, args, rest...);
+      }
+    }(flags...);
   }
 }
 
@@ -1171,7 +1152,8 @@ template <bool kRows, bool kCols>
 ffi::Error LaunchTile(cudaStream_t stream, ffi::DataType type,
                       const TileArgs& args) {
   if (kRows && kCols && PrivateTileApplies(type, args)) {
-    LaunchPrivateTile(stream, args);
+    LaunchPrivateTile(stream, args, args.row.stochastic, args.col.rht,
+                      args.col.stochastic);
     return LaunchError("quantize");
   }
   switch (type) {

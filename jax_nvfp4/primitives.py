@@ -148,8 +148,7 @@ def _example_batch(x, xd, params):
     x.shape[0] matrices), as in a loop over the examples; a nested vmap keeps
     the innermost example's size."""
     if params.get("example_batch", 0) == 0:
-        per_example = x.shape[:xd] + x.shape[xd + 1 :] if xd is not None else x.shape
-        params = {**params, "example_batch": per_example[0]}
+        params = {**params, "example_batch": x.shape[1 if xd == 0 else 0]}
     return params
 
 
