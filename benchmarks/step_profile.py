@@ -1,51 +1,77 @@
-"""One linear forward+backward step per recipe, for Nsight Compute: where
-the step's time goes, kernel by kernel (there is no nsys on the device).
+"""Where one linear forward+backward step spends its time, kernel by kernel
+(there is no nsys on the device; ncu with a profiled range crashed there).
 
-    ncu --clock-control none --profile-from-start off \
-        --metrics gpu__time_duration.sum --csv \
-        python benchmarks/step_profile.py --linear 8192x4096x14336 > step.csv
-    python benchmarks/step_profile.py --summarize step.csv
+    python benchmarks/step_profile.py [--linear 8192x4096x14336] [--out f.json]
 
-The step is compiled and run once outside the profiled range (XLA's
-autotuning launches many candidate kernels); then cudaProfilerStart, one
-step of bf16, one small jax_nvfp4.dequantize (the marker between the
-two: bf16's step launches no jax_nvfp4 kernel), one step of jax_nvfp4, and
-cudaProfilerStop. `--summarize` adds up the kernel times of each step by
-kernel name.
+Each step (bf16 jnp.dot, jax_nvfp4.dot with the full recipe) is compiled
+and run twice, then traced once with jax.profiler (CUPTI); the trace's
+device planes are read back with jax.profiler.ProfileData. Printed per
+step and per device line (the streams, and XLA's op lines): the total time
+of the line's events and the events grouped by name, largest first.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import csv
-import ctypes
-import io
+import glob
+import json
 import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+import jax_nvfp4 as nv
 
 
-def _cudart():
-    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            pass
-    import glob
+def trace_events(fn, *args):
+    """{(plane, line): [(event name, duration ns)]} of one traced call."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    directory = tempfile.mkdtemp()
+    jax.profiler.start_trace(directory)
+    jax.block_until_ready(fn(*args))
+    jax.profiler.stop_trace()
+    (path,) = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+    data = jax.profiler.ProfileData.from_file(path)
+    lines = {}
+    for plane in data.planes:
+        if "host" in plane.name.lower():
+            continue
+        for line in plane.lines:
+            events = [(e.name, float(e.duration_ns)) for e in line.events]
+            if events:
+                lines[f"{plane.name} | {line.name}"] = events
+    return lines
 
-    import nvidia  # noqa: F401  (pip's CUDA runtime, if installed)
 
-    for path in glob.glob(f"{nvidia.__path__[0]}/*/lib/libcudart.so*"):
-        return ctypes.CDLL(path)
-    raise RuntimeError("libcudart not found: cannot call cudaProfilerStart")
+def summarize(lines, top=25):
+    out = {}
+    for line, events in lines.items():
+        by_name = collections.defaultdict(lambda: [0, 0.0])
+        for name, ns in events:
+            by_name[name][0] += 1
+            by_name[name][1] += ns
+        total = sum(ns for _, ns in events)
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+        out[line] = {
+            "total_us": total / 1e3,
+            "events": len(events),
+            "by_name_us": [(n, c, ns / 1e3) for n, (c, ns) in ranked],
+        }
+        print(f"  {line}: {len(events)} events, {total / 1e3:,.1f} us")
+        for name, (count, ns) in ranked[:top]:
+            print(f"    {ns / 1e3:10,.1f} us  x{count:<3} {name[:100]}")
+    return out
 
 
-def run(shape):
-    import jax
-    import jax.numpy as jnp
-
-    import jax_nvfp4 as nv
-
-    tokens, k, n = map(int, shape.split("x"))
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--linear", default="8192x4096x14336")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    tokens, k, n = map(int, args.linear.split("x"))
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
     w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 0.02
@@ -60,72 +86,13 @@ def run(shape):
         "bf16": step(jnp.dot),
         "nvfp4": step(lambda x, w: nv.dot(x, w, key=keys[2])),
     }
-    for fn in steps.values():
-        jax.block_until_ready(fn(x, w))
-        jax.block_until_ready(fn(x, w))
-    tiny = nv.quantize(jnp.ones((16, 16), jnp.float32))
-    marker = jax.jit(nv.dequantize)
-    jax.block_until_ready(marker(tiny))
-    cudart = _cudart()
-    cudart.cudaProfilerStart()
-    jax.block_until_ready(steps["bf16"](x, w))
-    jax.block_until_ready(marker(tiny))
-    jax.block_until_ready(steps["nvfp4"](x, w))
-    cudart.cudaProfilerStop()
-    print("profiled:", ", ".join(steps))
-
-
-def summarize(path):
-    """Per step (launches in program order: bf16's kernels, the marker,
-    jax_nvfp4's), total time and time per kernel name."""
-    text = open(path).read()
-    start = text.find('"ID"')
-    rows = list(csv.DictReader(io.StringIO(text[start:])))
-    kernels = [
-        (r["Kernel Name"], float(r["Metric Value"].replace(",", "")))
-        for r in rows
-        if r.get("Metric Name") == "gpu__time_duration.sum"
-    ]
-    unit = next(
-        (
-            r["Metric Unit"]
-            for r in rows
-            if r.get("Metric Name") == "gpu__time_duration.sum"
-        ),
-        "",
-    )
-    marker = next(
-        (i for i, (name, _) in enumerate(kernels) if "Dequantize" in name),
-        len(kernels),
-    )
-    print(f"{len(kernels)} kernels; times in {unit}")
-    for label, part in (
-        ("bf16", kernels[:marker]),
-        ("jax_nvfp4", kernels[marker + 1 :]),
-    ):
-        total = sum(t for _, t in part)
-        print(f"\n{label}: {len(part)} kernels, total {total:,.0f} {unit}")
-        by_name = collections.OrderedDict()
-        for name, t in part:
-            short = name.split("(")[0][:90]
-            count, acc = by_name.get(short, (0, 0.0))
-            by_name[short] = (count + 1, acc + t)
-        for short, (count, acc) in by_name.items():
-            print(f"  {acc:12,.0f}  x{count:<3} {short}")
-        print("  in order:")
-        for name, t in part:
-            print(f"  {t:12,.0f}  {name.split('(')[0][:90]}")
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--linear", default="8192x4096x14336")
-    parser.add_argument("--summarize", metavar="CSV")
-    args = parser.parse_args()
-    if args.summarize:
-        summarize(args.summarize)
-    else:
-        run(args.linear)
+    result = {"shape": args.linear, "device": str(jax.devices()[0])}
+    for name, fn in steps.items():
+        print(f"{name} step, {args.linear}:")
+        result[name] = summarize(trace_events(fn, x, w))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
     return 0
 
 
