@@ -11,7 +11,8 @@ keeps such drift out of the ratios (median, min and max over rounds):
   gemm nvfp4           jax_nvfp4.matmul from NVFP4 operands (Hopper: bf16
                        decode + bf16 GEMM)
   gemm scaled_matmul   jax.nn.scaled_dot_general with the nvfp4 config
-  linear bf16          value_and_grad of sum(x @ w) w.r.t. x and w
+  linear bf16          y = x @ w and its vjp with a random bf16 cotangent dy
+                       (linear_step: dy is an input, as in training)
   linear nvfp4         the same through jax_nvfp4.dot (RHT, SR, 2D weights)
   linear fake-quant    the same recipe, pure JAX (implementation="reference")
   linear scaled_dot    jax.nn.scaled_dot_general nvfp4 (no FP4 backward)
@@ -87,7 +88,11 @@ def _ratio_summary(times, base):
 def _scaled_dot(x, w):
     configs = [jax.nn.get_scaled_dot_general_config("nvfp4")] * 3
     return jax.nn.scaled_dot_general(
-        x, w, (((x.ndim - 1,), (0,)), ((), ())), configs=configs
+        x,
+        w,
+        (((x.ndim - 1,), (0,)), ((), ())),
+        preferred_element_type=x.dtype,
+        configs=configs,
     )
 
 
@@ -126,8 +131,8 @@ def _residual_bytes(dot, x, w):
     return sum(leaf.nbytes for leaf in jax.tree.leaves(vjp_fn))
 
 
-def _step_peak_bytes(step, x, w):
-    m = jax.jit(step).lower(x, w).compile().memory_analysis()
+def _step_peak_bytes(step, *args):
+    m = jax.jit(step).lower(*args).compile().memory_analysis()
     if m is None:
         return float("nan")
     return (
@@ -138,18 +143,27 @@ def _step_peak_bytes(step, x, w):
     )
 
 
+def linear_step(dot):
+    """y = dot(x, w) and its vjp with the cotangent dy: (y, dx, dw). dy is
+    an input, as in training, where it comes from the next layer (a loss
+    such as sum(y) would make dy a constant that bf16's GEMMs fuse and a
+    quantizing backward has to materialize)."""
+
+    def f(x, w, dy):
+        y, vjp = jax.vjp(dot, x, w)
+        return (y, *vjp(dy))
+
+    return f
+
+
 def bench_linear(tokens, k, n, rounds, hlo_dir=None):
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
     w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 0.02
     key = keys[2]
-    inputs = [(x, w)] * REPEAT
-
-    def step(dot):
-        def f(x, w):
-            return jnp.sum(dot(x, w).astype(jnp.float32))
-
-        return jax.value_and_grad(f, argnums=(0, 1))
+    dy = jax.random.normal(jax.random.key(2), (tokens, n), jnp.bfloat16)
+    inputs = [(x, w, dy)] * REPEAT
+    step = linear_step
 
     fake = nv.Recipe(implementation="reference")
     dots = {
@@ -166,13 +180,13 @@ def bench_linear(tokens, k, n, rounds, hlo_dir=None):
     memory = {
         name: {
             "residual_bytes": _try(lambda d=d: _residual_bytes(d, x, w)),
-            "step_peak_bytes": _try(lambda d=d: _step_peak_bytes(step(d), x, w)),
+            "step_peak_bytes": _try(lambda d=d: _step_peak_bytes(step(d), x, w, dy)),
         }
         for name, d in dots.items()
     }
     if hlo_dir:
         for name in ("bf16", "nvfp4"):
-            text = jax.jit(step(dots[name])).lower(x, w).compile().as_text()
+            text = jax.jit(step(dots[name])).lower(x, w, dy).compile().as_text()
             with open(f"{hlo_dir}/linear_{name}_{tokens}x{k}x{n}.hlo.txt", "w") as f:
                 f.write(text)
     return times, memory

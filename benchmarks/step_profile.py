@@ -3,7 +3,8 @@
 
     python benchmarks/step_profile.py [--linear 8192x4096x14336] [--out f.json]
 
-Each step (bf16 jnp.dot, jax_nvfp4.dot with the full recipe) is compiled
+Each step (linear_bench.linear_step: y = x @ w and its vjp with a random
+cotangent; bf16 jnp.dot, jax_nvfp4.dot with the full recipe) is compiled
 and run twice, then traced once with jax.profiler (CUPTI); the trace's
 device planes are read back with jax.profiler.ProfileData. Printed per
 step and per device line (the streams, and XLA's op lines): the total time
@@ -21,6 +22,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+from linear_bench import linear_step
 
 import jax_nvfp4 as nv
 
@@ -76,11 +78,10 @@ def main():
     x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
     w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 0.02
 
-    def step(dot):
-        def f(x, w):
-            return jnp.sum(dot(x, w).astype(jnp.float32))
+    dy = jax.random.normal(jax.random.key(2), (tokens, n), jnp.bfloat16)
 
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+    def step(dot):
+        return jax.jit(linear_step(dot))
 
     steps = {
         "bf16": step(jnp.dot),
@@ -89,7 +90,7 @@ def main():
     result = {"shape": args.linear, "device": str(jax.devices()[0])}
     for name, fn in steps.items():
         print(f"{name} step, {args.linear}:")
-        result[name] = summarize(trace_events(fn, x, w))
+        result[name] = summarize(trace_events(fn, x, w, dy))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

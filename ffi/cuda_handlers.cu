@@ -5,8 +5,9 @@
 //
 // Kernels (256 threads per CTA unless noted):
 //   * QuantizePrivateTileKernel (64 threads): the recipe's fused bf16
-//     quantize (1x16 blocks both ways, m and k multiples of 16); each thread
-//     quantizes one 16x16 tile both ways from its own slice of shared memory.
+//     quantize (1x16 blocks both ways, m and k multiples of 16); each pair
+//     of lanes quantizes one 16x16 tile both ways from their own slices of
+//     shared memory.
 //   * QuantizeTileKernel: persistent CTAs over 128 (m) x 64 (k) tiles of
 //     x[b]; a tile is read once with coalesced 16-byte loads into shared
 //     memory, quantized along k (rows) and along m (columns) from there, and
@@ -619,41 +620,60 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
 // QuantizePrivateTileKernel: the fused row-wise + column-wise quantize of a
 // bfloat16 x with 1x16 blocks both ways and no RHT on the rows (the recipe's
 // X and dY), when m and k are multiples of 16; QuantizeTileKernel serves the
-// other cases. Every thread owns one 16 (m) x 16 (k) tile of x: it loads the
-// tile with 32 16-byte loads (all in flight at once), parks it in its own
-// slice of shared memory, and quantizes the tile's 16 rows along k and its 16
-// columns along m from there -- no barrier, no shuffle, no second read of x.
-// The slice (not registers) holds the tile so that the row and column loops
-// can stay loops: code indexed by a loop counter cannot address registers,
-// and the fully unrolled register-only form (~200 KB of code per
-// instantiation) was 3x slower on an H200 (752 vs 246 us at 16384 x 8192,
-// issue slots 20% busy: the instruction cache). The rounding and RHT options
-// are template arguments: one straight path per instantiation.
+// other cases. Two neighbouring lanes (a pair) own one 16 (m) x 16 (k) tile
+// of x: lane h = 0 or 1 of the pair loads tile rows 8h .. 8h + 7 with 16
+// 16-byte loads (all in flight at once) into its own slice of shared memory,
+// quantizes those 8 rows along k, and, after a __syncwarp, the 8 tile
+// columns 8h .. 8h + 7 along m -- each column block 8 words from its own
+// slice and 8 from its partner's. No second read of x, no shuffle, no CTA
+// barrier. Register-held tiles failed: code indexed by a loop counter cannot
+// address registers, and the fully unrolled form (~200 KB of code per
+// instantiation) was 3x slower on an H200 (752 vs 246 us at 16384 x 8192:
+// the instruction cache). Half a tile per thread (the previous form gave
+// each thread a whole tile) halves the slice and the load registers, so
+// twice the warps fit on an SM to hide the latency of the arithmetic's
+// dependency chains (the whole-tile form issued in 62% of cycles with 3
+// warps per scheduler, stalled mostly on fixed-latency dependencies).
+// The rounding and RHT options are template arguments: one straight path
+// per instantiation.
 //
-// Slice layout: 129 words per thread, row r of the tile in words 8r .. 8r + 7
-// (element j in half j % 2 of word j / 2): word w of lane l is in bank
-// (l + w) % 32, so the warp's 32-bit accesses to one word are conflict-free.
-// Lanes: 8 along k by 4 along m, so a warp covers 64 (m) x 128 (k): its loads
-// read 256 contiguous bytes of each of its rows, its row-code stores write
-// 64 contiguous bytes per row, and each of its column-code stores writes 32
-// contiguous bytes (4 lanes x 8 bytes; one whole sector when m % 64 == 0) of
-// each of 8 output rows. A CTA
-// is 2 warps along m, 128 (m) x 128 (k), with 33 KB of shared memory.
+// Slice layout: 65 words per lane; word j of slice row r (elements 2j,
+// 2j + 1 of the row, element 2j in the low half) at 8r + 2(j % 4) + j / 4.
+// Row accesses (every lane the same word of its own slice) are
+// conflict-free because 65 is odd; column accesses read word j = 4h + p of
+// the pair's slice (h = 0 or 1, p the same for the warp) and the
+// interleave puts words p and 4 + p on banks of opposite parity, so those
+// are conflict-free too.
+// Lanes: bit 0 the half h, bits 1-2 the 16-element k block (4 along k),
+// bits 3-4 the 16-row m block (4 along m): a warp covers 64 (m) x 64 (k);
+// its loads read 128 contiguous bytes of each row, its row-code stores
+// write 32 contiguous bytes per row, and its column-code stores 32
+// contiguous bytes (4 m blocks x 8 bytes) of each output row. A CTA is 2
+// warps along m: 128 (m) x 64 (k), with 16.6 KB of shared memory.
 // ---------------------------------------------------------------------------
 constexpr int kPrivThreads = 64;
-constexpr int kPrivTileM = 128;  // CTA tile rows (m)
-constexpr int kPrivTileK = 128;  // CTA tile columns (k)
-constexpr int kSliceWords = kBlock * kBlock / 2 + 1;
+constexpr int kPrivTileM = 128;        // CTA tile rows (m)
+constexpr int kPrivTileK = 64;         // CTA tile columns (k)
+constexpr int kHalfRows = kBlock / 2;  // tile rows per lane
+constexpr int kSliceWords = kHalfRows * kBlock / 2 + 1;
+
+// Where word j (0..7) of slice row r lives in a slice (see above).
+__device__ __forceinline__ int SliceWord(int r, int j) {
+  return 8 * r + 2 * (j & 3) + (j >> 2);
+}
 
 template <bool kRowStochastic, bool kColRht, bool kColStochastic>
 __global__ void __launch_bounds__(kPrivThreads)
     QuantizePrivateTileKernel(const TileArgs args) {
   using T = In<InType::kBf16>;
-  constexpr int kRowWords = kBlock / 2;  // 32-bit words per row of the tile
   __shared__ uint32_t slices[kPrivThreads * kSliceWords];
-  uint32_t* const slice = slices + threadIdx.x * kSliceWords;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
+  const int h = lane & 1;
+  uint32_t* const slice = slices + threadIdx.x * kSliceWords;
+  // The pair's slices: tile rows 0 .. 7 and 8 .. 15.
+  const uint32_t* const upper = slices + (threadIdx.x & ~1) * kSliceWords;
+  const uint32_t* const lower = upper + kSliceWords;
   // The options as constants (the kernel arguments hold the same values).
   OutputArgs row_out = args.row;
   row_out.stochastic = kRowStochastic;
@@ -666,81 +686,93 @@ __global__ void __launch_bounds__(kPrivThreads)
   for (int64_t tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
     const int64_t rest = Div(tile, args.k_tiles);
     const int64_t b = Div(rest, args.m_tiles);
+    // The pair's tile: rows m0 .. m0 + 15, columns k0 .. k0 + 15.
     const int64_t m0 =
-        (rest - b * args.m_tiles) * kPrivTileM + 64 * warp + 16 * (lane / 8);
+        (rest - b * args.m_tiles) * kPrivTileM + 64 * warp + 16 * (lane >> 3);
     const int64_t k0 =
-        (tile - rest * args.k_tiles) * kPrivTileK + 16 * (lane % 8);
-    if (m0 >= args.m || k0 >= args.k) continue;  // both multiples of 16
-
-    {  // Rows m0 .. m0 + 15, elements k0 .. k0 + 15 of each, into the slice.
+        (tile - rest * args.k_tiles) * kPrivTileK + 16 * ((lane >> 1) & 3);
+    // Both lanes of a pair agree (m, k multiples of 16); every lane still
+    // reaches the __syncwarp()s.
+    const bool active = m0 < args.m && k0 < args.k;
+    if (active) {  // Rows m0 + 8h .. m0 + 8h + 7, elements k0 .. k0 + 15.
       const uint4* x = reinterpret_cast<const uint4*>(
           static_cast<const char*>(args.x) +
-          ((b * args.m + m0) * args.k + k0) * T::kBytes);
+          ((b * args.m + m0 + kHalfRows * h) * args.k + k0) * T::kBytes);
       const int64_t row_chunks = args.k * T::kBytes / 16;
-      uint4 q[kBlock][2];
+      uint4 q[kHalfRows][2];
 #pragma unroll
-      for (int r = 0; r < kBlock; ++r) {
+      for (int r = 0; r < kHalfRows; ++r) {
         q[r][0] = __ldg(x + r * row_chunks);
         q[r][1] = __ldg(x + r * row_chunks + 1);
       }
 #pragma unroll
-      for (int r = 0; r < kBlock; ++r) {
+      for (int r = 0; r < kHalfRows; ++r) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          slice[kRowWords * r + 4 * c] = q[r][c].x;
-          slice[kRowWords * r + 4 * c + 1] = q[r][c].y;
-          slice[kRowWords * r + 4 * c + 2] = q[r][c].z;
-          slice[kRowWords * r + 4 * c + 3] = q[r][c].w;
+          slice[SliceWord(r, 4 * c)] = q[r][c].x;
+          slice[SliceWord(r, 4 * c + 1)] = q[r][c].y;
+          slice[SliceWord(r, 4 * c + 2)] = q[r][c].z;
+          slice[SliceWord(r, 4 * c + 3)] = q[r][c].w;
         }
       }
     }
-    uint32_t key0 = 0, key1 = 0;
-    if (kRowStochastic || kColStochastic) {
-      const int64_t kk = Div(b, args.key.batch_per_key);
-      key0 = args.key.key[2 * kk];
-      key1 = args.key.key[2 * kk + 1];
-    }
-
-    {  // Row r along k: output element (b, m0 + r, k0).
-      const GlobalScale g = GlobalScaleOf(row_out, b);
-      const uint64_t flat0 =
-          static_cast<uint64_t>((b * args.m + m0) * args.k + k0);
+    __syncwarp();
+    if (active) {
+      uint32_t key0 = 0, key1 = 0;
+      if (kRowStochastic || kColStochastic) {
+        const int64_t kk = Div(b, args.key.batch_per_key);
+        key0 = args.key.key[2 * kk];
+        key1 = args.key.key[2 * kk + 1];
+      }
+      {  // Row r along k: output element (b, m0 + 8h + r, k0).
+        const GlobalScale g = GlobalScaleOf(row_out, b);
+        const int64_t mh = m0 + kHalfRows * h;
+        const uint64_t flat0 =
+            static_cast<uint64_t>((b * args.m + mh) * args.k + k0);
 #pragma unroll 2  // two independent blocks in flight
-      for (int r = 0; r < kBlock; ++r) {
-        float v[kBlock];
-#pragma unroll
-        for (int j = 0; j < kBlock; ++j) {
-          v[j] = T::FromRaw(slice[kRowWords * r + j / 2] >> (16 * (j % 2)));
-        }
-        const BlockMax block_max = BlockAmax(v);
-        EncodeAndStore(v, block_max.amax, block_max.has_nan, g, row_out, key0,
-                       key1, flat0 + r * static_cast<uint64_t>(args.k), b,
-                       m0 + r, k0);
-      }
-    }
-    {  // Columns 2p and 2p + 1 along m: output element (b, k0 + c, m0).
-      const GlobalScale g = GlobalScaleOf(col_out, b);
-      const uint64_t flat0 =
-          static_cast<uint64_t>((b * args.k + k0) * args.m + m0);
-#pragma unroll 1
-      for (int p = 0; p < kRowWords; ++p) {
-        uint32_t w[kBlock];
-#pragma unroll
-        for (int r = 0; r < kBlock; ++r) w[r] = slice[kRowWords * r + p];
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
+        for (int r = 0; r < kHalfRows; ++r) {
           float v[kBlock];
 #pragma unroll
-          for (int r = 0; r < kBlock; ++r) v[r] = T::FromRaw(w[r] >> (16 * s));
-          MaybeRht(kColRht, v);
+          for (int j = 0; j < kBlock; ++j) {
+            v[j] = T::FromRaw(slice[SliceWord(r, j / 2)] >> (16 * (j % 2)));
+          }
           const BlockMax block_max = BlockAmax(v);
-          const int c = 2 * p + s;
-          EncodeAndStore(v, block_max.amax, block_max.has_nan, g, col_out, key0,
-                         key1, flat0 + c * static_cast<uint64_t>(args.m), b,
-                         k0 + c, m0);
+          EncodeAndStore(v, block_max.amax, block_max.has_nan, g, row_out, key0,
+                         key1, flat0 + r * static_cast<uint64_t>(args.k), b,
+                         mh + r, k0);
+        }
+      }
+      {  // Columns 8h + 2p, 8h + 2p + 1 along m: output (b, k0 + c, m0).
+        const GlobalScale g = GlobalScaleOf(col_out, b);
+        const uint64_t flat0 =
+            static_cast<uint64_t>((b * args.k + k0) * args.m + m0);
+#pragma unroll 1
+        for (int p = 0; p < 4; ++p) {
+          const int j = 4 * h + p;  // the word of each row
+          uint32_t w[kBlock];
+#pragma unroll
+          for (int r = 0; r < kHalfRows; ++r) {
+            w[r] = upper[SliceWord(r, j)];
+            w[kHalfRows + r] = lower[SliceWord(r, j)];
+          }
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            float v[kBlock];
+#pragma unroll
+            for (int r = 0; r < kBlock; ++r) {
+              v[r] = T::FromRaw(w[r] >> (16 * s));
+            }
+            MaybeRht(kColRht, v);
+            const BlockMax block_max = BlockAmax(v);
+            const int c = 2 * j + s;
+            EncodeAndStore(
+                v, block_max.amax, block_max.has_nan, g, col_out, key0, key1,
+                flat0 + c * static_cast<uint64_t>(args.m), b, k0 + c, m0);
+          }
         }
       }
     }
+    __syncwarp();  // the partner is done with this slice
   }
 }
 

@@ -217,6 +217,13 @@ def _bf16_dot(a, b, out_spec, preferred_element_type=None):
     return jnp.dot(a, b, **kwargs)
 
 
+def _gemm_dtype(dtype):
+    """The GEMM's own output type for a result of `dtype`: bfloat16 and
+    float32 directly (rounded once from the float32 accumulator, as a cast
+    of the float32 result would be), anything else through float32."""
+    return dtype if dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dot2(x2, w, words, recipe, static):
     out, _ = _dot2_fwd(x2, w, words, recipe, static)
@@ -232,8 +239,8 @@ def _dot2_fwd(x2, w, words, recipe, static):
     )
     w_along_k, w_along_n = _quantize_w(w, recipe)
     if recipe.fprop:
-        out = matmul(x_rows, w_along_k, out_dtype=jnp.float32)[:tokens]
-        out = out.astype(out_dtype)
+        out = matmul(x_rows, w_along_k, out_dtype=_gemm_dtype(out_dtype))
+        out = out[:tokens].astype(out_dtype)
     else:
         out = _bf16_dot(
             x2,
@@ -263,11 +270,11 @@ def _dot2_bwd(recipe, static, residuals, dy):
         axis_name=axis_name,
     )
     if recipe.dgrad:
-        dx = matmul(dy_rows, w_saved, out_dtype=jnp.float32)[:tokens]
+        dx = matmul(dy_rows, w_saved, out_dtype=_gemm_dtype(in_dtype))[:tokens]
     else:
         dx = _bf16_dot(dy.astype(w_saved.dtype), w_saved.T, specs and specs[0])
     if recipe.wgrad:
-        dw = matmul(x_saved, dy_cols, out_dtype=jnp.float32)
+        dw = matmul(x_saved, dy_cols, out_dtype=_gemm_dtype(in_dtype))
     else:
         dw = _bf16_dot(x_saved.T, dy.astype(x_saved.dtype), specs and specs[1])
     return dx.astype(in_dtype), dw.astype(in_dtype), None
