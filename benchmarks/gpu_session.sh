@@ -2,7 +2,8 @@
 # One device call (~5 minutes on an H200): build with CUDA, the GPU tests,
 # the quantize and linear benchmarks, compute-sanitizer memcheck + racecheck
 # (each step time-boxed). Results land in $OUT.
-#   bash benchmarks/gpu_session.sh [tests-to-run]
+#   bash benchmarks/gpu_session.sh [tests-to-run]   (groups separated by ';'
+#   run as parallel pytest processes)
 # SKIP_QUANTIZE_BENCH=1 / SKIP_LINEAR_BENCH=1 / SKIP_SANITIZER=1 leave those steps out; LINEAR_SHAPES,
 # SANITIZERS ("memcheck racecheck") and PYTEST_TIMEOUT narrow a short call.
 # The linear bench times 3 interleaved rounds (~400 s for both shapes): with the
@@ -25,7 +26,8 @@ grep -E "cuBLASLt|Blackwell" "$OUT/build.log" | head -4
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # The tests import the installed package (see gpu_tests_parallel.sh).
 python3 -P -c "import jax_nvfp4 as nv; print('tests import', nv.__file__, sorted(nv.available_platforms()))"
-bash benchmarks/gpu_tests_parallel.sh "$tests"
+IFS=';' read -ra test_groups <<< "$tests"
+bash benchmarks/gpu_tests_parallel.sh "${test_groups[@]}"
 [ -n "${SKIP_QUANTIZE_BENCH:-}" ] || timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
 if [ -z "${SKIP_LINEAR_BENCH:-}" ]; then
 mkdir -p "$OUT/hlo"
