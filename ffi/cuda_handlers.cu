@@ -17,6 +17,8 @@
 //     at a time (the next block's loads in flight).
 //   * AmaxKernel: one thread per 16-element chunk along the transformed axis,
 //     a block reduction, then one atomicMax per block and output.
+//   * DecodeBf16Kernel: the Hopper GEMM's operands, e2m1 * block scale in
+//     bfloat16; 8 elements per lane, 16-byte stores.
 //   * DequantizeKernel: one thread per 16-element block.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -943,6 +945,90 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const AmaxArgs args) {
 }
 
 // ---------------------------------------------------------------------------
+// DecodeBf16Kernel: out = e2m1(code) * E4M3 block scale as bfloat16, without
+// the amax -- the operands of the Hopper GEMM (jax_nvfp4/cuda_gemm.py), the
+// same values as its pure-JAX twin decode_bf16. Every such product is exact
+// in bfloat16 (2 + 4 significant bits; 2^-10 .. 2688). Lane q takes the 8
+// elements of 4 code bytes (half a block): its 16-byte store lies next to
+// its neighbours', so a warp writes 512 contiguous bytes; kDecodeUnroll
+// such groups per lane are loaded before any is decoded.
+//
+// The E2M1 magnitudes' bfloat16 bits come from two byte tables by byte
+// permutes (a nibble 0..7 selects one of 8 bytes), the sign bits are OR-ed
+// in, and one bf16x2 multiply per two elements applies the scale.
+// ---------------------------------------------------------------------------
+constexpr int kDecodeUnroll = 4;
+// Low and high bytes of the bfloat16 bits of 0, 0.5, 1, 1.5 | 2, 3, 4, 6:
+// 0x0000 0x3F00 0x3F80 0x3FC0 | 0x4000 0x4040 0x4080 0x40C0.
+constexpr uint32_t kE2M1LowBytes03 = 0xC0800000u;
+constexpr uint32_t kE2M1LowBytes47 = 0xC0804000u;
+constexpr uint32_t kE2M1HighBytes03 = 0x3F3F3F00u;
+constexpr uint32_t kE2M1HighBytes47 = 0x40404040u;
+
+__device__ __forceinline__ uint4 DecodeHalfBlockBf16(uint32_t codes,
+                                                     uint8_t scale_byte) {
+  const uint32_t index = codes & 0x77777777u;  // magnitude nibbles
+  const uint32_t sign = codes & 0x88888888u;   // element j's at bit 4j + 3
+  // Bytes of elements 0..3 (from the low 4 nibbles) and 4..7.
+  const uint32_t lo03 = __byte_perm(kE2M1LowBytes03, kE2M1LowBytes47, index);
+  const uint32_t hi03 = __byte_perm(kE2M1HighBytes03, kE2M1HighBytes47, index);
+  const uint32_t lo47 =
+      __byte_perm(kE2M1LowBytes03, kE2M1LowBytes47, index >> 16);
+  const uint32_t hi47 =
+      __byte_perm(kE2M1HighBytes03, kE2M1HighBytes47, index >> 16);
+  // Word i: elements 2i (low half) and 2i + 1, each sign to bit 15 or 31.
+  uint32_t w[4];
+  w[0] = __byte_perm(lo03, hi03, 0x5140) | ((sign << 12) & 0x8000u) |
+         ((sign << 24) & 0x80000000u);
+  w[1] = __byte_perm(lo03, hi03, 0x7362) | ((sign << 4) & 0x8000u) |
+         ((sign << 16) & 0x80000000u);
+  w[2] = __byte_perm(lo47, hi47, 0x5140) | ((sign >> 4) & 0x8000u) |
+         ((sign << 8) & 0x80000000u);
+  w[3] = __byte_perm(lo47, hi47, 0x7362) | ((sign >> 12) & 0x8000u) |
+         (sign & 0x80000000u);
+  // The scale's bfloat16 bits: the top half of its float32 (exact).
+  // E4M3's NaN bytes (0x7F, 0xFF) decode to NaN, as in the twin (no quantize
+  // writes them).
+  const float scale = (scale_byte & 0x7Fu) == 0x7Fu ? BitsToFloat(0x7FC00000u)
+                                                    : E4M3Decode(scale_byte);
+  const __nv_bfloat162 scale2 = __bfloat162bfloat162(__ushort_as_bfloat16(
+      static_cast<unsigned short>(FloatBits(scale) >> 16)));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 v;
+    memcpy(&v, &w[i], sizeof v);
+    v = __hmul2(v, scale2);
+    memcpy(&w[i], &v, sizeof v);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    DecodeBf16Kernel(const uint32_t* codes, const uint8_t* scales, uint4* out,
+                     int64_t groups) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t first =
+           static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+       first < groups; first += kDecodeUnroll * stride) {
+    uint32_t c[kDecodeUnroll];
+    uint8_t s[kDecodeUnroll];
+#pragma unroll
+    for (int u = 0; u < kDecodeUnroll; ++u) {
+      const int64_t q = first + u * stride;
+      if (q < groups) {
+        c[u] = __ldg(codes + q);
+        s[u] = __ldg(scales + q / 2);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kDecodeUnroll; ++u) {
+      const int64_t q = first + u * stride;
+      if (q < groups) out[q] = DecodeHalfBlockBf16(c[u], s[u]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
 // DequantizeKernel: codes [batch, rows, len / 2], scales [batch, rows,
 // len / 16] -> out [batch, rows, len]. Thread i takes the 16-element block i.
 // ---------------------------------------------------------------------------
@@ -1434,6 +1520,35 @@ ffi::Error DequantizeCuda(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
   return LaunchError("dequantize");
 }
 
+// The Hopper GEMM's operand decode (DecodeBf16Kernel): codes uint8 [n / 2],
+// scales float8_e4m3fn [n / 16] -> bfloat16 [n], any shapes of those sizes.
+ffi::Error DecodeBf16Cuda(cudaStream_t stream, ffi::Buffer<ffi::U8> codes,
+                          ffi::AnyBuffer scales,
+                          ffi::Result<ffi::Buffer<ffi::BF16>> out) {
+  const int64_t n = out->element_count();
+  if (n % kBlock != 0 || codes.element_count() * 2 != n ||
+      scales.element_count() * kBlock != n ||
+      scales.element_type() != ffi::DataType::F8E4M3FN) {
+    return InvalidArgument(
+        "decode_bf16 expects codes of n/2 bytes, float8_e4m3fn scales of "
+        "n/16 and a bfloat16 output of n elements, n a multiple of 16");
+  }
+  if (n == 0) return ffi::Error::Success();
+  // XLA buffers are at least 16-byte aligned; checked, not assumed.
+  if (!IsAligned(codes.typed_data(), 4) || !IsAligned(out->typed_data(), 16)) {
+    return InvalidArgument(
+        "decode_bf16 needs 4-byte aligned codes and a "
+        "16-byte aligned output");
+  }
+  const int64_t groups = n / 8;
+  DecodeBf16Kernel<<<GridFor((groups + kDecodeUnroll - 1) / kDecodeUnroll),
+                     kThreads, 0, stream>>>(
+      reinterpret_cast<const uint32_t*>(codes.typed_data()),
+      static_cast<const uint8_t*>(scales.untyped_data()),
+      reinterpret_cast<uint4*>(out->typed_data()), groups);
+  return LaunchError("decode_bf16");
+}
+
 }  // namespace
 }  // namespace jax_nvfp4
 
@@ -1520,4 +1635,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // e4m3 scales
         .Arg<ffi::Buffer<ffi::F32>>()              // amax [n]
         .Ret<ffi::AnyBuffer>(),                    // [b, r, l]
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4DecodeBf16Cuda, jax_nvfp4::DecodeBf16Cuda,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // CUDA stream
+        .Arg<ffi::Buffer<ffi::U8>>()               // codes
+        .Arg<ffi::AnyBuffer>()                     // e4m3 scales
+        .Ret<ffi::Buffer<ffi::BF16>>(),            // e2m1 * scale
     {ffi::Traits::kCmdBufferCompatible});

@@ -25,6 +25,7 @@ XLA_FFI_Error* JaxNvfp4QuantizeColsCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4QuantizeRowsColsCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4AmaxCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4DequantizeCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxNvfp4DecodeBf16Cuda(XLA_FFI_CallFrame*);
 #endif
 #ifdef JAX_NVFP4_WITH_CUBLASLT
 XLA_FFI_Error* JaxNvfp4MatmulBf16Cuda(XLA_FFI_CallFrame*);
@@ -140,6 +141,7 @@ NB_MODULE(_ffi, m) {
     d["jax_nvfp4_quantize_rows_cols"] = Capsule(JaxNvfp4QuantizeRowsColsCuda);
     d["jax_nvfp4_amax"] = Capsule(JaxNvfp4AmaxCuda);
     d["jax_nvfp4_dequantize"] = Capsule(JaxNvfp4DequantizeCuda);
+    d["jax_nvfp4_decode_bf16"] = Capsule(JaxNvfp4DecodeBf16Cuda);
 #endif
 #ifdef JAX_NVFP4_WITH_CUBLASLT
     d["jax_nvfp4_matmul_bf16"] = Capsule(JaxNvfp4MatmulBf16Cuda);

@@ -257,6 +257,38 @@ def test_decode_bf16_is_exact():
     np.testing.assert_array_equal(np.asarray(got, np.float64), want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "codes_shape", [(256, 256, 8), (3, 5, 24), (1, 7, 8), (2, 1, 4104)]
+)
+def test_decode_bf16_cuda_matches_twin(codes_shape):
+    """The CUDA decode handler == the pure-JAX decode_bf16, bit for bit: every
+    code byte with every scale byte (NaN bytes: NaN in both), then random
+    codes and scales in shapes whose element count is no multiple of the
+    kernel's 8 x 256 x 4 elements per CTA step."""
+    assert cuda_gemm.DECODE_TARGET in _ffi_registry.registered_targets()["cuda"]
+    if codes_shape == (256, 256, 8):
+        codes = np.broadcast_to(
+            np.arange(256, dtype=np.uint8)[None, :, None], codes_shape
+        )
+        scales = np.broadcast_to(
+            np.arange(256, dtype=np.uint8)[:, None, None], (256, 256, 1)
+        )
+    else:
+        rng = np.random.default_rng(sum(codes_shape))
+        codes = rng.integers(0, 256, codes_shape, dtype=np.uint8)
+        scales = rng.integers(0, 256, (*codes_shape[:-1], codes_shape[-1] // 8))
+        scales = scales.astype(np.uint8)
+    codes = jnp.asarray(codes)
+    scales = jnp.asarray(scales).view(jnp.float8_e4m3fn)
+    got = np.asarray(jax.jit(cuda_gemm.decode_bf16_cuda)(codes, scales))
+    want = np.asarray(jax.jit(cuda_gemm.decode_bf16)(codes, scales))
+    assert got.dtype == want.dtype == jnp.bfloat16 and got.shape == want.shape
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
 def _emulated_handler(a, b, a_amax, b_amax, dtype):
     """What jax_nvfp4_matmul_bf16 computes from exactly its operands, in
     float64, rounded as the handler rounds: alpha * acc to float32, then to
