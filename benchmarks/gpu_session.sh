@@ -4,7 +4,8 @@
 # (each step time-boxed). Results land in $OUT.
 #   bash benchmarks/gpu_session.sh [tests-to-run]   (groups separated by ';'
 #   run as parallel pytest processes)
-# SKIP_QUANTIZE_BENCH=1 / SKIP_LINEAR_BENCH=1 / SKIP_SANITIZER=1 leave those steps out; LINEAR_SHAPES,
+# SKIP_QUANTIZE_BENCH=1 / SKIP_LINEAR_BENCH=1 / SKIP_SANITIZER=1 leave those steps out; KEEP_HLO=1
+# writes the linear steps' compiled HLO to $OUT/hlo; LINEAR_SHAPES,
 # SANITIZERS ("memcheck racecheck") and PYTEST_TIMEOUT narrow a short call.
 # The linear bench times 3 interleaved rounds (~400 s for both shapes): with the
 # tests it needs a device call of its own (the limit is 600 s per call).
@@ -14,7 +15,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 tests="${1:-tests/test_quantize.py tests/test_stochastic.py tests/test_numerics.py tests/test_gemm.py tests/test_recipe.py}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-pip list 2>/dev/null | grep -iE "^(jax|flax|equinox|optax|nvidia|ml.dtypes|numpy)" > "$OUT/pip_list.txt"
+pip list 2>/dev/null | grep -iE "^(jax|flax|equinox|optax|nvidia|ml.dtypes|numpy)" >> "$OUT/gpu.txt"
 t0=$(date +%s)
 cuda_include=/usr/local/cuda/targets/x86_64-linux/include
 [ -f "$cuda_include/cublasLt.h" ] && export JAX_NVFP4_CUBLAS_INCLUDE_DIR="${JAX_NVFP4_CUBLAS_INCLUDE_DIR:-$cuda_include}"
@@ -30,8 +31,8 @@ IFS=';' read -ra test_groups <<< "$tests"
 bash benchmarks/gpu_tests_parallel.sh "${test_groups[@]}"
 [ -n "${SKIP_QUANTIZE_BENCH:-}" ] || timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
 if [ -z "${SKIP_LINEAR_BENCH:-}" ]; then
-mkdir -p "$OUT/hlo"
-timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" --hlo-dir "$OUT/hlo" \
+hlo=(); [ -n "${KEEP_HLO:-}" ] && { mkdir -p "$OUT/hlo"; hlo=(--hlo-dir "$OUT/hlo"); }
+timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" "${hlo[@]}" \
   --linear "${LINEAR_SHAPES:-8192x4096x14336,16384x8192x28672}" 2>&1 | tee "$OUT/linear_bench.txt" | tail -30
 fi
 [ -n "${SKIP_SANITIZER:-}" ] && exit 0

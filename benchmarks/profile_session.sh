@@ -5,17 +5,17 @@
 #   2. the kernels of one linear forward+backward step, bf16 and jax_nvfp4
 #      (benchmarks/step_profile.py, a jax.profiler trace), per shape in
 #      STEP_SHAPES.
-# Writes 3 files per call plus one per shape ($OUT brings back 8 at most).
+# SKIP_NCU=1 leaves step 1 out. Writes 3 files per call plus one per shape ($OUT brings back 8 at most).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 pipes=sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_uniform.avg.pct_of_peak_sustained_active
-timeout 200 ncu --clock-control none -k regex:QuantizePrivate \
+[ -n "${SKIP_NCU:-}" ] || timeout 200 ncu --clock-control none -k regex:QuantizePrivate \
   --section WarpStateStats --section SchedulerStats --section Occupancy \
   --section InstructionStats --section ComputeWorkloadAnalysis --section SpeedOfLight \
   --metrics "gpu__time_duration.sum,smsp__inst_executed.sum,$pipes,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio" \
   python3 benchmarks/quantize_profile.py --shape "${QUANT_SHAPE:-16384x8192}" > "$OUT/ncu_stalls.txt" 2>&1
-echo "ncu stalls rc=$?"; grep -E "Duration|Issue Slots Busy|pipe_alu|pipe_fma |long_scoreboard|short_scoreboard|math_pipe|wait" "$OUT/ncu_stalls.txt" | head -30
+[ -n "${SKIP_NCU:-}" ] || echo "ncu stalls rc=$?"; [ -n "${SKIP_NCU:-}" ] || grep -E "Duration|Issue Slots Busy|pipe_alu|pipe_fma |long_scoreboard|short_scoreboard|math_pipe|wait" "$OUT/ncu_stalls.txt" | head -30
 for shape in ${STEP_SHAPES:-8192x4096x14336}; do
   timeout 200 python3 benchmarks/step_profile.py --linear "$shape" --out "$OUT/step_$shape.json" >> "$OUT/step_profile.txt" 2>&1
   echo "step $shape rc=$?"

@@ -664,9 +664,11 @@ __device__ __forceinline__ int SliceWord(int r, int j) {
   return 8 * r + 2 * (j & 3) + (j >> 2);
 }
 
-template <bool kRowStochastic, bool kColRht, bool kColStochastic>
+template <bool kRowStochastic, bool kColRht, bool kColStochastic, bool kTile16>
 __global__ void __launch_bounds__(kPrivThreads)
     QuantizePrivateTileKernel(const TileArgs args) {
+  // 16x16 blocks share one amax both ways only without RHT on the columns.
+  static_assert(!(kTile16 && kColRht), "16x16 tiles with column RHT");
   using T = In<InType::kBf16>;
   __shared__ uint32_t slices[kPrivThreads * kSliceWords];
   const int lane = threadIdx.x % 32;
@@ -680,10 +682,12 @@ __global__ void __launch_bounds__(kPrivThreads)
   OutputArgs row_out = args.row;
   row_out.stochastic = kRowStochastic;
   row_out.rht = false;
+  row_out.tile16 = kTile16;
   row_out.codes_aligned = true;
   OutputArgs col_out = args.col;
   col_out.stochastic = kColStochastic;
   col_out.rht = kColRht;
+  col_out.tile16 = kTile16;
   col_out.codes_aligned = true;
   for (int64_t tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
     const int64_t rest = Div(tile, args.k_tiles);
@@ -719,6 +723,23 @@ __global__ void __launch_bounds__(kPrivThreads)
       }
     }
     __syncwarp();
+    // 16x16 blocks: the pair's tile is one block both ways, its amax the
+    // maximum over both halves (NaN ignored, as for a 1x16 block).
+    float tile_amax = 0.0f;
+    if (kTile16) {
+      if (active) {
+#pragma unroll 1
+        for (int r = 0; r < kHalfRows; ++r) {
+          float v[kBlock];
+#pragma unroll
+          for (int j = 0; j < kBlock; ++j) {
+            v[j] = T::FromRaw(slice[SliceWord(r, j / 2)] >> (16 * (j % 2)));
+          }
+          tile_amax = fmaxf(tile_amax, BlockAmax(v).amax);
+        }
+      }
+      tile_amax = fmaxf(tile_amax, __shfl_xor_sync(0xFFFFFFFFu, tile_amax, 1));
+    }
     if (active) {
       uint32_t key0 = 0, key1 = 0;
       if (kRowStochastic || kColStochastic) {
@@ -739,9 +760,10 @@ __global__ void __launch_bounds__(kPrivThreads)
             v[j] = T::FromRaw(slice[SliceWord(r, j / 2)] >> (16 * (j % 2)));
           }
           const BlockMax block_max = BlockAmax(v);
-          EncodeAndStore(v, block_max.amax, block_max.has_nan, g, row_out, key0,
-                         key1, flat0 + r * static_cast<uint64_t>(args.k), b,
-                         mh + r, k0);
+          EncodeAndStore(v, kTile16 ? tile_amax : block_max.amax,
+                         block_max.has_nan, g, row_out, key0, key1,
+                         flat0 + r * static_cast<uint64_t>(args.k), b, mh + r,
+                         k0);
         }
       }
       {  // Columns 8h + 2p, 8h + 2p + 1 along m: output (b, k0 + c, m0).
@@ -772,9 +794,10 @@ __global__ void __launch_bounds__(kPrivThreads)
             MaybeRht(kColRht, v);
             const BlockMax block_max = BlockAmax(v);
             const int c = 2 * j + s;
-            EncodeAndStore(
-                v, block_max.amax, block_max.has_nan, g, col_out, key0, key1,
-                flat0 + c * static_cast<uint64_t>(args.m), b, k0 + c, m0);
+            EncodeAndStore(v, kTile16 ? tile_amax : block_max.amax,
+                           block_max.has_nan, g, col_out, key0, key1,
+                           flat0 + c * static_cast<uint64_t>(args.m), b, k0 + c,
+                           m0);
           }
         }
       }
@@ -1244,13 +1267,20 @@ void LaunchTileKernel(cudaStream_t stream, const TileArgs& args) {
 // Whether QuantizePrivateTileKernel serves these arguments (see there).
 bool PrivateTileApplies(ffi::DataType type, const TileArgs& args) {
   return type == ffi::DataType::BF16 && args.x_vec && args.m % kBlock == 0 &&
-         args.k % kBlock == 0 && !args.row.tile16 && !args.col.tile16 &&
-         !args.row.rht && args.row.codes_aligned && args.col.codes_aligned;
+         args.k % kBlock == 0 && args.row.tile16 == args.col.tile16 &&
+         !(args.col.tile16 && args.col.rht) && !args.row.rht &&
+         args.row.codes_aligned && args.col.codes_aligned;
 }
 
 // Launches QuantizePrivateTileKernel<kOptions...> once every option (row
-// stochastic, column RHT, column stochastic, in that order) is a constant:
-// each call turns the next runtime flag into a template argument.
+// stochastic, column RHT, column stochastic, 16x16 blocks, in that order) is
+// a constant: each call turns the next runtime flag into a template argument.
+// (Column RHT with 16x16 blocks never comes here: PrivateTileApplies.)
+constexpr bool PrivateTileOptionsValid(bool /*row_stochastic*/, bool col_rht,
+                                       bool /*col_stochastic*/, bool tile16) {
+  return !(tile16 && col_rht);
+}
+
 template <bool... kOptions, typename... Flags>
 void LaunchPrivateTile(cudaStream_t stream, TileArgs args, Flags... flags) {
   if constexpr (sizeof...(Flags) == 0) {
@@ -1258,8 +1288,10 @@ void LaunchPrivateTile(cudaStream_t stream, TileArgs args, Flags... flags) {
     args.k_tiles = (args.k + kPrivTileK - 1) / kPrivTileK;
     args.tiles = args.batch * args.m_tiles * args.k_tiles;
     const auto grid = static_cast<unsigned int>(std::min(args.tiles, kMaxGrid));
-    QuantizePrivateTileKernel<kOptions...>
-        <<<grid, kPrivThreads, 0, stream>>>(args);
+    if constexpr (PrivateTileOptionsValid(kOptions...)) {
+      QuantizePrivateTileKernel<kOptions...>
+          <<<grid, kPrivThreads, 0, stream>>>(args);
+    }
   } else {
     [&](bool flag, auto... rest) {
       if (flag) {
@@ -1276,7 +1308,7 @@ ffi::Error LaunchTile(cudaStream_t stream, ffi::DataType type,
                       const TileArgs& args) {
   if (kRows && kCols && PrivateTileApplies(type, args)) {
     LaunchPrivateTile(stream, args, args.row.stochastic, args.col.rht,
-                      args.col.stochastic);
+                      args.col.stochastic, args.col.tile16);
     return LaunchError("quantize");
   }
   switch (type) {

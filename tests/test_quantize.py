@@ -136,14 +136,16 @@ def _edge_blocks(x):
 @pytest.mark.parametrize("col_rht", [False, True])
 @pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("amax", [None, 0.5])
+@pytest.mark.parametrize("block", ["1x16", "16x16"])
 def test_fused_recipe_options_match_reference(
-    row_rounding, col_rht, col_rounding, amax
+    row_rounding, col_rht, col_rounding, amax, block
 ):
-    """The recipe's fused quantize (bfloat16, 1x16 both ways: on a GPU the
-    CUDA QuantizePrivateTileKernel) for each rounding/RHT option, on a shape
-    that is a multiple of 16 but not of the kernel's 128 x 128 CTA tile, with
-    NaN, inf and all-zero blocks; amax=0.5 (below the data's) saturates the
-    scales."""
+    """The recipe's fused quantize of bfloat16 (on a GPU the CUDA
+    QuantizePrivateTileKernel; 16x16 blocks with column RHT take the general
+    QuantizeTileKernel) for each rounding/RHT option and both block shapes
+    (1x16: X and dY; 16x16: the 2D weights), on a shape that is a multiple of
+    16 but not of the kernel's 128 x 64 CTA tile, with NaN, inf and all-zero
+    blocks; amax=0.5 (below the data's) saturates the scales."""
     x = _edge_blocks(outlier_data(13, (2, 272, 176), jnp.bfloat16))
     key = jax.random.key(5)
     kwargs = dict(
@@ -152,6 +154,8 @@ def test_fused_recipe_options_match_reference(
         col_rounding=col_rounding,
         row_stream=2,
         col_stream=3,
+        row_block=block,
+        col_block=block,
     )
     if amax is not None:
         kwargs.update(row_amax=jnp.float32(amax), col_amax=jnp.float32(amax))
