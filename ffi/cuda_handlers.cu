@@ -5,9 +5,9 @@
 //
 // Kernels (256 threads per CTA unless noted):
 //   * QuantizePrivateTileKernel (64 threads): the recipe's fused bf16
-//     quantize (1x16 blocks both ways, m and k multiples of 16); each pair
-//     of lanes quantizes one 16x16 tile both ways from their own slices of
-//     shared memory.
+//     quantize (1x16 or 16x16 blocks both ways, m and k multiples of 16);
+//     each pair of lanes quantizes one 16x16 tile both ways from their own
+//     slices of shared memory.
 //   * QuantizeTileKernel: persistent CTAs over 128 (m) x 64 (k) tiles of
 //     x[b]; a tile is read once with coalesced 16-byte loads into shared
 //     memory, quantized along k (rows) and along m (columns) from there, and
@@ -620,22 +620,23 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
 
 // ---------------------------------------------------------------------------
 // QuantizePrivateTileKernel: the fused row-wise + column-wise quantize of a
-// bfloat16 x with 1x16 blocks both ways and no RHT on the rows (the recipe's
-// X and dY), when m and k are multiples of 16; QuantizeTileKernel serves the
-// other cases. Two neighbouring lanes (a pair) own one 16 (m) x 16 (k) tile
+// bfloat16 x with 1x16 blocks both ways (the recipe's X and dY) or 16x16
+// blocks both ways (its 2D weights; not with column RHT), no RHT on the
+// rows, m and k multiples of 16; QuantizeTileKernel serves the other cases.
+// Two neighbouring lanes (a pair) own one 16 (m) x 16 (k) tile
 // of x: lane h = 0 or 1 of the pair loads tile rows 8h .. 8h + 7 with 16
 // 16-byte loads (all in flight at once) into its own slice of shared memory,
 // quantizes those 8 rows along k, and, after a __syncwarp, the 8 tile
 // columns 8h .. 8h + 7 along m -- each column block 8 words from its own
-// slice and 8 from its partner's. No second read of x, no shuffle, no CTA
-// barrier. Register-held tiles failed: code indexed by a loop counter cannot
-// address registers, and the fully unrolled form (~200 KB of code per
-// instantiation) was 3x slower on an H200 (752 vs 246 us at 16384 x 8192:
-// the instruction cache). Half a tile per thread (the previous form gave
-// each thread a whole tile) halves the slice and the load registers, so
-// twice the warps fit on an SM to hide the latency of the arithmetic's
-// dependency chains (the whole-tile form issued in 62% of cycles with 3
-// warps per scheduler, stalled mostly on fixed-latency dependencies).
+// slice and 8 from its partner's. No second read of x, no CTA barrier (one
+// shuffle per 16x16 block for its amax). Register-held tiles failed: code
+// indexed by a loop counter cannot address registers, and the fully unrolled
+// form (~200 KB of code per instantiation) was 3x slower on an H200 (752 vs 246
+// us at 16384 x 8192: the instruction cache). Half a tile per thread (the
+// previous form gave each thread a whole tile) halves the slice and the load
+// registers, so twice the warps fit on an SM to hide the latency of the
+// arithmetic's dependency chains (the whole-tile form issued in 62% of cycles
+// with 3 warps per scheduler, stalled mostly on fixed-latency dependencies).
 // The rounding and RHT options are template arguments: one straight path
 // per instantiation.
 //
