@@ -10,9 +10,16 @@ For each shape (bf16 [M, K]) it times, in one run:
              stochastic rounding; the global amax pass included.
   kernel     the same with both amaxes passed in: the fused custom call alone.
   fused_x    the recipe's options for X: columns with RHT, nearest.
+  kernel_x   the same with both amaxes passed in (the kernel alone).
+  kernel_2d  16x16 blocks both ways, nearest, amaxes passed in (the 2D
+             weight quantize).
+  amax_rht   the amax pass (plain and RHT amax in one read).
   reference  the pure-JAX twin of `fused` under jit.
+  decode     (CUDA only) the Hopper GEMM's operand decode of x's row-wise
+             quantization to bf16 (jax_nvfp4_decode_bf16).
 Minimum bytes of a fused quantize: read 2 B/elem, write 2 x (0.5 + 1/16) B/elem
-= 3.125 B/elem; the amax pass reads x once more (2 B/elem).
+= 3.125 B/elem; the amax pass reads x once more (2 B/elem); the decode reads
+0.5625 and writes 2 B/elem. "TB/s" and "of copy" count those bytes.
 Each timing runs the op on REPEAT and on REPEAT/2 distinct inputs inside one
 jitted call (no input is reused from L2) and takes the difference of the two
 medians over REPEAT/2: the per-op device time, free of dispatch overhead.
@@ -31,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_nvfp4 as nv
+from jax_nvfp4 import _ffi_registry, cuda_gemm
 
 REPEAT = 16
 CALLS = 15
@@ -69,34 +77,57 @@ def bench_shape(m, k):
         )
 
     amaxes = [(nv.global_amax(x), nv.global_amax(x, axis=0, rht=True)) for x in xs]
+    with_amaxes = list(zip(xs, amaxes, strict=True))
     results = {
         "copy": timed(lambda x: x + 1, xs),
         "fused": timed(fused, xs),
         "kernel": timed(
             lambda xa: fused(xa[0], row_amax=xa[1][0], col_amax=xa[1][1]),
-            list(zip(xs, amaxes, strict=False)),
+            with_amaxes,
         ),
         "fused_x": timed(
             lambda x: nv.quantize_rowwise_and_columnwise(x, **x_options), xs
         ),
+        "kernel_x": timed(
+            lambda xa: nv.quantize_rowwise_and_columnwise(
+                xa[0], **x_options, row_amax=xa[1][0], col_amax=xa[1][1]
+            ),
+            with_amaxes,
+        ),
+        "kernel_2d": timed(
+            lambda xa: nv.quantize_rowwise_and_columnwise(
+                xa[0],
+                row_block="16x16",
+                col_block="16x16",
+                row_amax=xa[1][0],
+                col_amax=xa[1][0],
+            ),
+            with_amaxes,
+        ),
         "amax_rht": timed(lambda x: nv.global_amax(x, axis=0, rht=True), xs),
         "reference": timed(functools.partial(fused, implementation="reference"), xs),
     }
+    # Bytes per element each op must move at least (a quantize: read bf16,
+    # write two codes + scales; the decode: read codes + scales, write bf16).
+    bytes_per_element = {"copy": 4.0, "amax_rht": 2.0}
+    cuda_targets = _ffi_registry.registered_targets().get("cuda", ())
+    if jax.default_backend() == "gpu" and cuda_gemm.DECODE_TARGET in cuda_targets:
+        rows_only = [nv.quantize(x) for x in xs]
+        results["decode"] = timed(
+            lambda t: cuda_gemm.decode_bf16_cuda(t.codes, t.scales), rows_only
+        )
+        bytes_per_element["decode"] = 2.5625
     copy_bw = 4 * n / results["copy"]
-    min_bytes = 3.125 * n
     rows = []
     for name, t in results.items():
+        moved = bytes_per_element.get(name, 3.125) * n
         rows.append(
             {
                 "shape": f"{m}x{k}",
                 "op": name,
                 "time_us": t * 1e6,
-                "min_bytes_bandwidth_TBps": (4 * n if name == "copy" else min_bytes)
-                / t
-                / 1e12,
-                "fraction_of_copy_bw": (4 * n if name == "copy" else min_bytes)
-                / t
-                / copy_bw,
+                "min_bytes_bandwidth_TBps": moved / t / 1e12,
+                "fraction_of_copy_bw": moved / t / copy_bw,
                 "vs_reference": results["reference"] / t,
             }
         )
@@ -128,8 +159,8 @@ def main():
             f"{r['fraction_of_copy_bw']:8.2f} {r['vs_reference']:9.2f}"
         )
     print(
-        "* TB/s counts the minimum bytes of a fused quantize (3.125 B/elem; "
-        "copy: 4 B/elem), whatever the op reads on top"
+        "* TB/s counts the minimum bytes of each op (a quantize 3.125 B/elem, "
+        "amax 2, decode 2.5625, copy 4), whatever it reads on top"
     )
     if args.out:
         with open(args.out, "w") as f:
