@@ -31,12 +31,12 @@ def trace_events(fn, *args):
     """{(plane, line): [(event name, duration ns)]} of one traced call."""
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
-    directory = tempfile.mkdtemp()
-    jax.profiler.start_trace(directory)
-    jax.block_until_ready(fn(*args))
-    jax.profiler.stop_trace()
-    (path,) = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
-    data = jax.profiler.ProfileData.from_file(path)
+    with tempfile.TemporaryDirectory() as directory:
+        jax.profiler.start_trace(directory)
+        jax.block_until_ready(fn(*args))
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
     lines = {}
     for plane in data.planes:
         if "host" in plane.name.lower():

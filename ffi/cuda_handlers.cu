@@ -1030,6 +1030,9 @@ __device__ __forceinline__ uint4 DecodeHalfBlockBf16(uint32_t codes,
 __global__ void __launch_bounds__(kThreads)
     DecodeBf16Kernel(const uint32_t* codes, const uint8_t* scales, uint4* out,
                      int64_t groups) {
+  // Lane t takes groups t, t + stride, ... (kDecodeUnroll of them per loop
+  // step); the host's grid covers every group in one step (GridFor allows
+  // 2^31 - 1 CTAs), so the loop runs once but stays correct for any grid.
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t first =
            static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -1265,23 +1268,27 @@ void LaunchTileKernel(cudaStream_t stream, const TileArgs& args) {
   kernel<<<PersistentGrid(kernel, args.tiles), kThreads, 0, stream>>>(args);
 }
 
-// Whether QuantizePrivateTileKernel serves these arguments (see there).
-bool PrivateTileApplies(ffi::DataType type, const TileArgs& args) {
-  return type == ffi::DataType::BF16 && args.x_vec && args.m % kBlock == 0 &&
-         args.k % kBlock == 0 && args.row.tile16 == args.col.tile16 &&
-         !(args.col.tile16 && args.col.rht) && !args.row.rht &&
-         args.row.codes_aligned && args.col.codes_aligned;
-}
-
-// Launches QuantizePrivateTileKernel<kOptions...> once every option (row
-// stochastic, column RHT, column stochastic, 16x16 blocks, in that order) is
-// a constant: each call turns the next runtime flag into a template argument.
-// (Column RHT with 16x16 blocks never comes here: PrivateTileApplies.)
+// Whether QuantizePrivateTileKernel has an instantiation for these options
+// (row stochastic, column RHT, column stochastic, 16x16 blocks).
 constexpr bool PrivateTileOptionsValid(bool /*row_stochastic*/, bool col_rht,
                                        bool /*col_stochastic*/, bool tile16) {
   return !(tile16 && col_rht);
 }
 
+// Whether QuantizePrivateTileKernel serves these arguments (see there).
+bool PrivateTileApplies(ffi::DataType type, const TileArgs& args) {
+  return type == ffi::DataType::BF16 && args.x_vec && args.m % kBlock == 0 &&
+         args.k % kBlock == 0 && args.row.tile16 == args.col.tile16 &&
+         PrivateTileOptionsValid(args.row.stochastic, args.col.rht,
+                                 args.col.stochastic, args.col.tile16) &&
+         !args.row.rht && args.row.codes_aligned && args.col.codes_aligned;
+}
+
+// Launches QuantizePrivateTileKernel<kOptions...> once every option (row
+// stochastic, column RHT, column stochastic, 16x16 blocks, in that order) is
+// a constant: each call turns the next runtime flag into a template argument.
+// Invalid combinations never come here (PrivateTileApplies checks the same
+// PrivateTileOptionsValid) and are not instantiated.
 template <bool... kOptions, typename... Flags>
 void LaunchPrivateTile(cudaStream_t stream, TileArgs args, Flags... flags) {
   if constexpr (sizeof...(Flags) == 0) {

@@ -30,6 +30,7 @@ Switches, read when a computation is lowered (set them before it is compiled):
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -138,18 +139,17 @@ def decode_bf16_cuda(codes: jax.Array, scales: jax.Array) -> jax.Array:
     kernel at about copy speed; XLA's fusion of the pure-JAX form moved ~2.1
     TB/s on an H200). Only where that handler is registered and the arrays
     live on a CUDA GPU."""
+    if scales.shape != (*codes.shape[:-1], codes.shape[-1] // 8) or (
+        codes.shape[-1] % 8
+    ):
+        raise ValueError(
+            "decode_bf16_cuda expects codes [..., K/2] and scales [..., K/16] "
+            f"with K a multiple of 16; got {codes.shape} and {scales.shape}"
+        )
     return jax.ffi.ffi_call(
         DECODE_TARGET,
         jax.ShapeDtypeStruct((*codes.shape[:-1], 2 * codes.shape[-1]), jnp.bfloat16),
     )(codes, scales)
-
-
-def _decode_operand(codes: jax.Array, scales: jax.Array) -> jax.Array:
-    """The GEMM operand: the handler when built (this runs while lowering for
-    CUDA), else XLA's fusion of the pure-JAX decode."""
-    if DECODE_TARGET in _ffi_registry.registered_targets().get("cuda", frozenset()):
-        return decode_bf16_cuda(codes, scales)
-    return decode_bf16(codes, scales)
 
 
 def _call_handler(
@@ -178,6 +178,7 @@ def matmul_bf16(
     b_amax: jax.Array,
     *,
     dtype: Any,
+    decode_handler: bool = False,
 ) -> jax.Array:
     """The matmul primitive on the cuBLASLt bf16 GEMM: out [batch, M, N].
 
@@ -186,7 +187,9 @@ def matmul_bf16(
     [1 or batch], b likewise with N rows and a batch of 1 or a's; dtype is
     bfloat16 or float32. Runs only on a CUDA GPU of compute capability >= 8.0
     with the handler built (elsewhere the custom call fails to compile or to
-    run, with a message).
+    run, with a message). decode_handler: decode the operands with the CUDA
+    handler (``decode_bf16_cuda``; ``matmul_cuda`` sets it when the handler is
+    built) instead of XLA's fusion of ``decode_bf16`` -- same values.
     """
     dtype = np.dtype(dtype)
     if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
@@ -196,9 +199,10 @@ def matmul_bf16(
     n = b_codes.shape[1]
     if batch == 0 or m == 0 or n == 0 or half == 0:
         return jnp.zeros((batch, m, n), dtype)  # nothing to multiply
+    decode = decode_bf16_cuda if decode_handler else decode_bf16
     return _call_handler(
-        _decode_operand(a_codes, a_scales),
-        _decode_operand(b_codes, b_scales),
+        decode(a_codes, a_scales),
+        decode(b_codes, b_scales),
         jnp.asarray(a_amax, jnp.float32).reshape(-1),
         jnp.asarray(b_amax, jnp.float32).reshape(-1),
         dtype,
@@ -222,7 +226,10 @@ def matmul_cuda(
     if path == "native_fp4":
         fn = blackwell.matmul_native
     elif path == "cublaslt_bf16":
-        fn = matmul_bf16
+        cuda_targets = _ffi_registry.registered_targets().get("cuda", frozenset())
+        fn = functools.partial(
+            matmul_bf16, decode_handler=DECODE_TARGET in cuda_targets
+        )
     else:
         fn = reference.matmul_dequantize_bf16
     return fn(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype)

@@ -166,8 +166,8 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path):
     called = []
 
     def fake(name):
-        def fn(*args, dtype):
-            called.append((name, len(args), np.dtype(dtype)))
+        def fn(*args, dtype, **options):
+            called.append((name, len(args), np.dtype(dtype), options))
             return name
 
         return fn
@@ -177,7 +177,13 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path):
     monkeypatch.setattr(cuda_gemm, "matmul_bf16", fake("cublaslt_bf16"))
     monkeypatch.setattr(reference, "matmul_dequantize_bf16", fake("xla_bf16"))
     assert cuda_gemm.matmul_cuda(*range(6), dtype=jnp.float32) == path
-    assert called == [(path, 6, np.dtype(np.float32))]
+    cuda = _ffi_registry.registered_targets().get("cuda", frozenset())
+    options = (
+        {"decode_handler": cuda_gemm.DECODE_TARGET in cuda}
+        if path == "cublaslt_bf16"
+        else {}
+    )
+    assert called == [(path, 6, np.dtype(np.float32), options)]
 
 
 def test_matmul_cuda_without_a_gpu_is_xla_bf16_gemm(monkeypatch):
@@ -227,6 +233,31 @@ def test_lowers_to_one_handler_call_on_hopper(monkeypatch, case, dtype):
     monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "0")
     text = _lowered_for_cuda(args, dtype)
     assert not _custom_calls(text) and "dot_general" in text
+
+
+def test_hopper_lowering_decodes_with_the_handler_when_built(monkeypatch):
+    """With jax_nvfp4_decode_bf16 built, the two operand decodes are its custom
+    calls (bf16 out, the codes' shape with K doubled) ahead of the GEMM's."""
+    targets = {"cuda": BOTH["cuda"] | {cuda_gemm.DECODE_TARGET}}
+    monkeypatch.setattr(_ffi_registry, "registered_targets", lambda: targets)
+    monkeypatch.setattr(cuda_gemm, "_cuda_devices", lambda: (_device("gpu", "9.0"),))
+    batch, m, n, k, b_batch, _, _ = CASES[1]
+    calls = _custom_calls(_lowered_for_cuda(_operands(2, *CASES[1]), jnp.bfloat16))
+    assert len(calls) == 3, calls
+    decodes = [c for c in calls if f"@{cuda_gemm.DECODE_TARGET}(" in c]
+    assert len(decodes) == 2 and f"@{cuda_gemm.TARGET}(" in calls[2]
+    assert f"-> tensor<{batch}x{m}x{k}xbf16>" in decodes[0]
+    assert f"-> tensor<{b_batch}x{n}x{k}xbf16>" in decodes[1]
+
+
+def test_decode_bf16_cuda_checks_shapes():
+    codes = jnp.zeros((2, 4, 8), jnp.uint8)
+    with pytest.raises(ValueError, match="scales"):
+        cuda_gemm.decode_bf16_cuda(codes, jnp.zeros((2, 4, 2), jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cuda_gemm.decode_bf16_cuda(
+            jnp.zeros((2, 4, 4), jnp.uint8), jnp.zeros((2, 4, 0), jnp.float8_e4m3fn)
+        )
 
 
 def test_lowering_without_a_gpu_keeps_xla_gemm(monkeypatch):

@@ -135,7 +135,7 @@ def _edge_blocks(x):
 @pytest.mark.parametrize("row_rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("col_rht", [False, True])
 @pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize("amax", [None, 0.5])
+@pytest.mark.parametrize("amax", [None, 0.5, "distinct"])
 @pytest.mark.parametrize("block", ["1x16", "16x16"])
 def test_fused_recipe_options_match_reference(
     row_rounding, col_rht, col_rounding, amax, block
@@ -145,7 +145,10 @@ def test_fused_recipe_options_match_reference(
     QuantizeTileKernel) for each rounding/RHT option and both block shapes
     (1x16: X and dY; 16x16: the 2D weights), on a shape that is a multiple of
     16 but not of the kernel's 128 x 64 CTA tile, with NaN, inf and all-zero
-    blocks; amax=0.5 (below the data's) saturates the scales."""
+    blocks. amax: None computes it (inf here, so the global scale is 1),
+    0.5 (below the data's) saturates the block scales, "distinct" gives rows
+    and columns different finite global scales that leave most blocks
+    unsaturated."""
     x = _edge_blocks(outlier_data(13, (2, 272, 176), jnp.bfloat16))
     key = jax.random.key(5)
     kwargs = dict(
@@ -157,7 +160,12 @@ def test_fused_recipe_options_match_reference(
         row_block=block,
         col_block=block,
     )
-    if amax is not None:
+    if amax == "distinct":
+        finite = float(jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)))
+        kwargs.update(
+            row_amax=jnp.float32(1.5 * finite), col_amax=jnp.float32(3.0 * finite)
+        )
+    elif amax is not None:
         kwargs.update(row_amax=jnp.float32(amax), col_amax=jnp.float32(amax))
     fused_matches_reference(x, key, **kwargs)
 

@@ -40,6 +40,37 @@ def test_recipe_matches_pure_jax_reference(tokens, recipe):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(jnp.abs(b).max()))
 
 
+@pytest.mark.parametrize("recipe", [nv.NVFP4, nv.NVFP4_NO_RHT])
+def test_recipe_bf16_matches_pure_jax_reference(recipe):
+    """bfloat16 activations and weights (on a GPU: the paired-lane quantize
+    kernel for X, dY and the 2D weights, and GEMMs writing bfloat16):
+    y, dx and dw equal the reference's up to one bfloat16 rounding of float32
+    sums that differ only in accumulation order (on the CPU: bit for bit).
+    Another stochastic-rounding key moves half of dx's and most of dw's
+    elements by more than this bound."""
+    x = outlier_data(0, (64, 64), jnp.bfloat16)
+    w = outlier_data(1, (64, 32), jnp.bfloat16) * 0.1
+    dy = outlier_data(2, (64, 32), jnp.bfloat16)
+    key = jax.random.key(3)
+    ref = dataclasses.replace(recipe, implementation="reference")
+
+    def step(recipe):
+        def f(x, w, dy):
+            y, vjp = jax.vjp(lambda x, w: nv.dot(x, w, key=key, recipe=recipe), x, w)
+            return (y, *vjp(dy))
+
+        return f
+
+    got = jax.jit(step(recipe))(x, w, dy)
+    want = on_cpu(step(ref), x, w, dy)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        # One bfloat16 ulp (<= 2^-7 relative) per element, plus the float32
+        # reordering error (~K * 2^-24 * sum |terms|) where sums cancel.
+        np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-4 * np.abs(b).max())
+
+
 def test_bf16_recipe_is_jnp_dot():
     x = jax.random.normal(jax.random.key(0), (3, 16, 32), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (32, 48), jnp.bfloat16)
