@@ -679,16 +679,14 @@ __global__ void __launch_bounds__(kPrivThreads)
   // The pair's slices: tile rows 0 .. 7 and 8 .. 15.
   const uint32_t* const upper = slices + (threadIdx.x & ~1) * kSliceWords;
   const uint32_t* const lower = upper + kSliceWords;
-  // The options as constants (the kernel arguments hold the same values).
+  // The options EncodeAndStore reads, as constants (the kernel arguments hold
+  // the same values; RHT and 16x16 blocks are handled here, from kColRht and
+  // kTile16).
   OutputArgs row_out = args.row;
   row_out.stochastic = kRowStochastic;
-  row_out.rht = false;
-  row_out.tile16 = kTile16;
   row_out.codes_aligned = true;
   OutputArgs col_out = args.col;
   col_out.stochastic = kColStochastic;
-  col_out.rht = kColRht;
-  col_out.tile16 = kTile16;
   col_out.codes_aligned = true;
   for (int64_t tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
     const int64_t rest = Div(tile, args.k_tiles);
@@ -1010,13 +1008,10 @@ __device__ __forceinline__ uint4 DecodeHalfBlockBf16(uint32_t codes,
          ((sign << 8) & 0x80000000u);
   w[3] = __byte_perm(lo47, hi47, 0x7362) | ((sign >> 12) & 0x8000u) |
          (sign & 0x80000000u);
-  // The scale's bfloat16 bits: the top half of its float32 (exact).
-  // E4M3's NaN bytes (0x7F, 0xFF) decode to NaN, as in the twin (no quantize
-  // writes them).
-  const float scale = (scale_byte & 0x7Fu) == 0x7Fu ? BitsToFloat(0x7FC00000u)
-                                                    : E4M3Decode(scale_byte);
+  // The scale's bfloat16 bits: the top half of its float32 (exact; NaN for
+  // E4M3's NaN bytes).
   const __nv_bfloat162 scale2 = __bfloat162bfloat162(__ushort_as_bfloat16(
-      static_cast<unsigned short>(FloatBits(scale) >> 16)));
+      static_cast<unsigned short>(FloatBits(E4M3Decode(scale_byte)) >> 16)));
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     __nv_bfloat162 v;

@@ -108,11 +108,15 @@ NVFP4_HD uint8_t E4M3Encode(float v) {
   return static_cast<uint8_t>((exponent << 3) | ((bits >> 20) & 0x7u));
 }
 
+// float8_e4m3fn: no infinities; 0x7F and 0xFF are NaN (no quantize writes
+// them: scales saturate at 448, 0x7E).
 NVFP4_HD float E4M3Decode(uint8_t byte) {
   const uint32_t exponent = (byte >> 3) & 0xFu;
   const uint32_t mantissa = byte & 0x7u;
   float magnitude;
-  if (exponent == 0) {
+  if (exponent == 0xFu && mantissa == 0x7u) {
+    magnitude = BitsToFloat(0x7FC00000u);
+  } else if (exponent == 0) {
     magnitude = static_cast<float>(mantissa) * (1.0f / 512.0f);
   } else {
     magnitude = BitsToFloat(((exponent - 7u + 127u) << 23) | (mantissa << 20));

@@ -60,6 +60,36 @@ def test_e4m3_agrees_with_ml_dtypes():
     np.testing.assert_array_equal(big, [448, 448, 448])
 
 
+def test_every_scale_byte_decodes_as_float8_e4m3fn():
+    """Dequantize through the handlers with every scale byte (incl. the NaN
+    bytes 0x7F and 0xFF, which no quantize writes) and every code: the values
+    of the pure-JAX reference (ml_dtypes' float8_e4m3fn), NaN where it is."""
+    codes = np.tile(
+        np.array([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], np.uint8), (256, 1)
+    )
+    scales = np.arange(256, dtype=np.uint8).reshape(256, 1)
+    t = nv.NVFP4Tensor(
+        codes=jnp.asarray(codes),
+        scales=jnp.asarray(scales).view(jnp.float8_e4m3fn),
+        amax=jnp.float32(2688.0),  # decode multiplier = the scale itself
+        shape=(256, 16),
+        axis=1,
+    )
+    got = np.asarray(jax.jit(functools.partial(nv.dequantize, dtype=jnp.float32))(t))
+    want = np.asarray(
+        on_cpu(
+            functools.partial(
+                nv.dequantize, dtype=jnp.float32, implementation="reference"
+            ),
+            t,
+        )
+    )
+    nan = np.isnan(want)
+    assert nan.any()
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
 def test_handler_element_rounding_at_unit_scale():
     """A block holding 6 next to a block holding 2688 has scale exactly 1, so
     the handler's codes are the plain E2M1 rounding of the inputs."""
