@@ -7,7 +7,10 @@
 //      bit pattern (2^28 blocks of 16 consecutive patterns, multiplier 1);
 //   3. the same with stochastic rounding, two random bytes per pattern;
 //   4. RandomHadamard16Fast == RandomHadamard16 on 2^24 random blocks (NaN
-//      payloads aside).
+//      payloads aside), and RandomHadamard16Bf16Fast (values and packed
+//      words) on 2^24 random bfloat16 blocks;
+//   5. E4M3ValueFast == E4M3Decode for every byte but the NaNs, and
+//      SignNibbles8Bf16 == SignNibbles8 on 2^24 random bfloat16 blocks.
 //
 //   nvcc -std=c++17 -O3 --fmad=false -arch=sm_90a -I ffi \
 //        benchmarks/fast_numerics_check.cu -o /tmp/fast_numerics_check
@@ -18,7 +21,7 @@
 
 using namespace jax_nvfp4;
 
-__device__ unsigned long long g_mismatch[4];
+__device__ unsigned long long g_mismatch[5];
 
 __device__ __forceinline__ uint32_t Hash(uint32_t x) {
   x ^= x >> 16;
@@ -97,13 +100,57 @@ __global__ void CheckRht(uint32_t blocks) {
   }
 }
 
+// x's bfloat16 bits in words (element 2j in the low half of word j).
+__global__ void CheckBf16Blocks(uint32_t blocks) {
+  for (uint32_t b = blockIdx.x * blockDim.x + threadIdx.x; b < blocks;
+       b += gridDim.x * blockDim.x) {
+    float x[kBlock], want[kBlock], got[kBlock];
+    uint32_t words[kBlock / 2] = {}, packed[kBlock / 2];
+    for (int i = 0; i < kBlock; ++i) {
+      uint32_t u = Hash(16 * b + i + 0x51ED270Bu) & 0xFFFF0000u;
+      if (b % 3 == 0) u = (u & 0x807F0000u) | 0x3F800000u;  // one binade
+      if (b % 7 == 0) u &= 0x80FF0000u;  // tiny: subnormal quarters
+      x[i] = BitsToFloat(u);
+      words[i / 2] |= (i % 2 == 0) ? u >> 16 : u;
+    }
+    if ((SignNibbles8Bf16(words) |
+         (static_cast<uint64_t>(SignNibbles8Bf16(words + 4)) << 32)) !=
+        (SignNibbles8(x) |
+         (static_cast<uint64_t>(SignNibbles8(x + 8)) << 32))) {
+      atomicAdd(&g_mismatch[4], 1ull);
+    }
+    RandomHadamard16(x, want);
+    RandomHadamard16Bf16Fast(x, got, packed);
+    for (int i = 0; i < kBlock; ++i) {
+      const bool both_nan = want[i] != want[i] && got[i] != got[i];
+      const uint32_t half =
+          (i % 2 == 0) ? packed[i / 2] << 16 : packed[i / 2] & 0xFFFF0000u;
+      if (!both_nan && (FloatBits(got[i]) != FloatBits(want[i]) ||
+                        half != FloatBits(got[i]))) {
+        atomicAdd(&g_mismatch[3], 1ull);
+      }
+    }
+  }
+}
+
+__global__ void CheckE4M3Values() {
+  const int byte = threadIdx.x;
+  if ((byte & 0x7F) != 0x7F &&
+      FloatBits(E4M3ValueFast(static_cast<uint8_t>(byte))) !=
+          FloatBits(E4M3Decode(static_cast<uint8_t>(byte)))) {
+    atomicAdd(&g_mismatch[4], 1ull);
+  }
+}
+
 int main() {
   const int grid = 132 * 16, threads = 256;
   CheckE4M3<<<grid, threads>>>(0u, 0x7F800001u);
   CheckEncode<<<grid, threads>>>(1ull << 28, 0u);
   CheckEncode<<<grid, threads>>>(1ull << 28, 0x9E3779B9u);
   CheckRht<<<grid, threads>>>(1u << 24);
-  unsigned long long mismatch[4];
+  CheckBf16Blocks<<<grid, threads>>>(1u << 24);
+  CheckE4M3Values<<<1, 256>>>();
+  unsigned long long mismatch[5];
   if (cudaMemcpyFromSymbol(mismatch, g_mismatch, sizeof(mismatch)) !=
       cudaSuccess) {
     std::printf("CUDA error: %s\n", cudaGetErrorString(cudaGetLastError()));
@@ -111,7 +158,9 @@ int main() {
   }
   std::printf(
       "fast numerics vs header: E4M3 %llu, nearest %llu, stochastic %llu, RHT "
-      "%llu mismatches\n",
-      mismatch[0], mismatch[1], mismatch[2], mismatch[3]);
-  return (mismatch[0] | mismatch[1] | mismatch[2] | mismatch[3]) ? 1 : 0;
+      "%llu, E4M3 values and bf16 signs %llu mismatches\n",
+      mismatch[0], mismatch[1], mismatch[2], mismatch[3], mismatch[4]);
+  return (mismatch[0] | mismatch[1] | mismatch[2] | mismatch[3] | mismatch[4])
+             ? 1
+             : 0;
 }

@@ -72,19 +72,6 @@ __device__ __forceinline__ uint32_t NearestIndexBits(float v) {
   return IndexBits(g1, g2, g3);
 }
 
-// Sign bits of s[0..7] at bits 4i + 3 (the code layout): the top bytes of
-// the even elements gathered into one word (signs at bits 7, 15, 23, 31,
-// shifted down by 4), those of the odd elements into another (in place).
-__device__ __forceinline__ uint32_t SignNibbles8(const float* s) {
-  const uint32_t e01 = __byte_perm(FloatBits(s[0]), FloatBits(s[2]), 0x0073);
-  const uint32_t e23 = __byte_perm(FloatBits(s[4]), FloatBits(s[6]), 0x0073);
-  const uint32_t o01 = __byte_perm(FloatBits(s[1]), FloatBits(s[3]), 0x0073);
-  const uint32_t o23 = __byte_perm(FloatBits(s[5]), FloatBits(s[7]), 0x0073);
-  const uint32_t evens = __byte_perm(e01, e23, 0x5410);
-  const uint32_t odds = __byte_perm(o01, o23, 0x5410);
-  return ((evens & 0x80808080u) >> 4) | (odds & 0x80808080u);
-}
-
 // The magnitude index of E2M1RoundStochastic(v, byte), non-NaN v, as
 // 0x4B000000 + index; `byte_as_float` is float(byte).
 __device__ __forceinline__ uint32_t StochasticIndexBits(float v,
@@ -119,28 +106,36 @@ EncodeBlock16WithNan(Block16 block, float encode_multiplier, bool stochastic,
 }
 #endif  // !JAX_NVFP4_CUDA_HEADER_ARITHMETIC
 
-// EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi).
-// `has_nan`: an element of v is NaN. `below_seven` (round to nearest only):
-// every |v[i]| * encode_multiplier is below 7 -- true when the block's amax
-// times the multiplier is (rounding is monotonic), i.e. for every block
-// whose scale neither saturates nor underflows.
+// Sign bits of s[0..7] at bits 4i + 3 (the code layout): the top bytes of
+// the even elements gathered into one word (signs at bits 7, 15, 23, 31,
+// shifted down by 4), those of the odd elements into another (in place).
+__device__ __forceinline__ uint32_t SignNibbles8(const float* s) {
+  const uint32_t e01 = __byte_perm(FloatBits(s[0]), FloatBits(s[2]), 0x0073);
+  const uint32_t e23 = __byte_perm(FloatBits(s[4]), FloatBits(s[6]), 0x0073);
+  const uint32_t o01 = __byte_perm(FloatBits(s[1]), FloatBits(s[3]), 0x0073);
+  const uint32_t o23 = __byte_perm(FloatBits(s[5]), FloatBits(s[7]), 0x0073);
+  const uint32_t evens = __byte_perm(e01, e23, 0x5410);
+  const uint32_t odds = __byte_perm(o01, o23, 0x5410);
+  return ((evens & 0x80808080u) >> 4) | (odds & 0x80808080u);
+}
+
+// Sign bits of the 8 bfloat16 elements of w[0..3] (element 2j in the low
+// half of w[j]) at bits 4i + 3: the high bytes of the even elements
+// gathered into one word, those of the odd elements into another.
+__device__ __forceinline__ uint32_t SignNibbles8Bf16(const uint32_t* w) {
+  const uint32_t t01 = __byte_perm(w[0], w[1], 0x7531);  // w0.b1 w0.b3 w1.b1 ..
+  const uint32_t t23 = __byte_perm(w[2], w[3], 0x7531);
+  const uint32_t evens = __byte_perm(t01, t23, 0x6420);
+  const uint32_t odds = __byte_perm(t01, t23, 0x7531);
+  return ((evens & 0x80808080u) >> 4) | (odds & 0x80808080u);
+}
+
+#if !defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
+// The codes of EncodeBlock16 with the sign bits clear, for a block without
+// NaN, from the scaled values v[i] * encode_multiplier.
 __device__ __forceinline__ uint64_t
-EncodeBlock16Fast(const float (&v)[kBlock], float encode_multiplier,
-                  bool has_nan, bool stochastic, uint64_t random_lo,
-                  uint64_t random_hi, bool below_seven = false) {
-#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
-  return EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi);
-#else
-  if (has_nan) {
-    Block16 block;
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) block.v[i] = v[i];
-    return EncodeBlock16WithNan(block, encode_multiplier, stochastic, random_lo,
-                                random_hi);
-  }
-  float scaled[kBlock];
-#pragma unroll
-  for (int i = 0; i < kBlock; ++i) scaled[i] = v[i] * encode_multiplier;
+MagnitudeCodes16(const float (&scaled)[kBlock], bool stochastic,
+                 uint64_t random_lo, uint64_t random_hi, bool below_seven) {
   // Indices as bits 0x4B000000 + index, packed with shift-adds; the 0x4B of
   // elements 0 and 1 (the rest shift out) is subtracted at the end.
   constexpr uint32_t kPackedOffset = 0x4B000000u + (0x4B000000u << 4);
@@ -165,10 +160,41 @@ EncodeBlock16Fast(const float (&v)[kBlock], float encode_multiplier,
       half[i >> 3] += NearestIndexBits(scaled[i]) << (4 * (i & 7));
     }
   }
+  return static_cast<uint64_t>(half[0] - kPackedOffset) |
+         (static_cast<uint64_t>(half[1] - kPackedOffset) << 32);
+}
+#endif  // !JAX_NVFP4_CUDA_HEADER_ARITHMETIC
+
+// EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi).
+// `has_nan`: an element of v is NaN. `below_seven` (round to nearest only):
+// every |v[i]| * encode_multiplier is below 7 -- true when the block's amax
+// times the multiplier is (rounding is monotonic), i.e. for every block
+// whose scale neither saturates nor underflows. `sign_bits`, when given:
+// the sign bit of each v[i] at bit 4i + 3 (SignNibbles8Bf16 of the block's
+// bfloat16 words), else taken from v.
+__device__ __forceinline__ uint64_t EncodeBlock16Fast(
+    const float (&v)[kBlock], float encode_multiplier, bool has_nan,
+    bool stochastic, uint64_t random_lo, uint64_t random_hi,
+    bool below_seven = false, const uint64_t* sign_bits = nullptr) {
+#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
+  return EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi);
+#else
+  if (has_nan) {
+    Block16 block;
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) block.v[i] = v[i];
+    return EncodeBlock16WithNan(block, encode_multiplier, stochastic, random_lo,
+                                random_hi);
+  }
+  float scaled[kBlock];
+#pragma unroll
+  for (int i = 0; i < kBlock; ++i) scaled[i] = v[i] * encode_multiplier;
+  const uint64_t magnitudes =
+      MagnitudeCodes16(scaled, stochastic, random_lo, random_hi, below_seven);
   // Signs: those of v (the multiplier is positive; -0.0 keeps its sign).
-  const uint32_t lo = (half[0] - kPackedOffset) | SignNibbles8(scaled);
-  const uint32_t hi = (half[1] - kPackedOffset) | SignNibbles8(scaled + 8);
-  return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+  if (sign_bits != nullptr) return magnitudes | *sign_bits;
+  return magnitudes | SignNibbles8(scaled) |
+         (static_cast<uint64_t>(SignNibbles8(scaled + 8)) << 32);
 #endif
 }
 
@@ -185,6 +211,56 @@ __device__ __forceinline__ void RandomHadamard16Fast(const float (&x)[kBlock],
   for (int i = 0; i < kBlock; i += 2) {
     const __nv_bfloat162 b = __floats2bfloat162_rn(z[i], z[i + 1]);
     const uint32_t w = *reinterpret_cast<const uint32_t*>(&b);
+    y[i] = BitsToFloat(w << 16);
+    y[i + 1] = BitsToFloat(w & 0xFFFF0000u);
+  }
+#endif
+}
+
+// RandomHadamard16Fast of bfloat16 values x (each x_i * 1/4 exact: no
+// float32 underflow), its first butterfly stage folded into the scaling:
+// z_i = x_i * s_i / 4 is exact, so fma(x_{i+1}, +-s_{i+1} / 4, z_i) rounds
+// the very sum z_i + z_{i+1} (and difference) of HadamardButterfly16 -- one
+// multiply and two FMAs per pair instead of two multiplies and two
+// additions. `packed` gets the bfloat16 results, y[2j] in the low half of
+// packed[j].
+__device__ __forceinline__ void RandomHadamard16Bf16Fast(
+    const float (&x)[kBlock], float (&y)[kBlock],
+    uint32_t (&packed)[kBlock / 2]) {
+#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
+  RandomHadamard16(x, y);
+#pragma unroll
+  for (int i = 0; i < kBlock; i += 2) {
+    packed[i / 2] =
+        (FloatBits(y[i]) >> 16) | (FloatBits(y[i + 1]) & 0xFFFF0000u);
+  }
+#else
+  float z[kBlock];
+#pragma unroll
+  for (int i = 0; i < kBlock; i += 2) {
+    const float si = ((kRhtSignMask >> i) & 1u) ? -0.25f : 0.25f;
+    const float sn = ((kRhtSignMask >> (i + 1)) & 1u) ? -0.25f : 0.25f;
+    const float zi = x[i] * si;  // exact
+    z[i] = __fmaf_rn(x[i + 1], sn, zi);
+    z[i + 1] = __fmaf_rn(x[i + 1], -sn, zi);
+  }
+#pragma unroll
+  for (int h = 2; h < kBlock; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kBlock; ++i) {
+      if ((i & h) == 0) {
+        const float a = z[i];
+        const float b = z[i + h];
+        z[i] = a + b;
+        z[i + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kBlock; i += 2) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(z[i], z[i + 1]);
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(&b);
+    packed[i / 2] = w;
     y[i] = BitsToFloat(w << 16);
     y[i + 1] = BitsToFloat(w & 0xFFFF0000u);
   }
@@ -216,6 +292,21 @@ __device__ __forceinline__ BlockScaleE4M3 E4M3FromFloat(float v) {
   const float value =
       __half2float(__ushort_as_half(static_cast<uint16_t>(halves & 0xFFFFu)));
   return {value, static_cast<uint8_t>(pair & 0xFFu)};
+#endif
+}
+
+// The value of an E4M3 byte other than 0x7F / 0xFF (NaN), as E4M3Decode
+// gives it: on sm_89+ by cvt to float16 (exact).
+__device__ __forceinline__ float E4M3ValueFast(uint8_t byte) {
+#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC) || __CUDA_ARCH__ < 890
+  return E4M3Decode(byte);
+#else
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;"
+      : "=r"(halves)
+      : "h"(static_cast<uint16_t>(byte)));
+  return __half2float(
+      __ushort_as_half(static_cast<uint16_t>(halves & 0xFFFFu)));
 #endif
 }
 

@@ -652,26 +652,68 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
 // its loads read 128 contiguous bytes of each row, its row-code stores
 // write 32 contiguous bytes per row, and its column-code stores 32
 // contiguous bytes (4 m blocks x 8 bytes) of each output row. A CTA is 2
-// warps along m: 128 (m) x 64 (k), with 16.6 KB of shared memory.
+// warps along m: 128 (m) x 64 (k), with 16.6 KB of shared memory for the
+// slices and 1 KB for two tables of encode multipliers (one per output and
+// scale byte: a shared-memory load per block instead of an IEEE division),
+// built when a CTA starts on a batch item. The CTAs are persistent (as many
+// as fit at once, walking the tiles), so a CTA builds its tables once.
 // ---------------------------------------------------------------------------
 constexpr int kPrivThreads = 64;
 constexpr int kPrivTileM = 128;        // CTA tile rows (m)
 constexpr int kPrivTileK = 64;         // CTA tile columns (k)
 constexpr int kHalfRows = kBlock / 2;  // tile rows per lane
 constexpr int kSliceWords = kHalfRows * kBlock / 2 + 1;
+// 12 CTAs (24 warps) per SM: at most 85 registers per thread (the
+// stochastic-rounding instantiations would take 96, 20 warps), 12 x 18.7 KB
+// of shared memory.
+constexpr int kPrivCtasPerSm = 12;
 
 // Where word j (0..7) of slice row r lives in a slice (see above).
 __device__ __forceinline__ int SliceWord(int r, int j) {
   return 8 * r + 2 * (j & 3) + (j >> 2);
 }
 
+// Encode multipliers of the scale bytes 0 .. 0x7F (BlockEncodeMultiplier of
+// each E4M3 value; 0x7F, NaN, never occurs: a block scale is the satfinite
+// rounding of a non-negative, non-NaN value), one table per output.
+constexpr int kScaleBytes = 128;
+
+// EncodeAndStore with the multiplier of the block's scale byte from
+// `multipliers` (one shared-memory load instead of an IEEE division) and
+// the sign bits given (bit 4i + 3 for v[i]). The 8 code bytes go to
+// `codes` (8-byte aligned), the scale byte to `scale`.
+template <bool kStochastic>
+__device__ __forceinline__ void EncodeAndStoreFromTable(
+    const float (&v)[kBlock], uint64_t sign_bits, float block_amax,
+    bool has_nan, GlobalScale g, const float* multipliers,
+    const OutputArgs& out, uint32_t key0, uint32_t key1, uint8_t* codes,
+    uint8_t* scale, int64_t b, int64_t r, int64_t l) {
+  const BlockScaleE4M3 s = BlockScaleFast(block_amax, g);
+  const float multiplier = multipliers[s.byte];
+  uint64_t packed;
+  if constexpr (kStochastic) {
+    const uint64_t w =
+        GlobalRandomIndex(out.origin, out.place, out.transposed, b, r, l) / 8;
+    packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/true,
+                               RandomBytes8(key0, key1, out.stream, w),
+                               RandomBytes8(key0, key1, out.stream, w + 1),
+                               /*below_seven=*/false, &sign_bits);
+  } else {
+    packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/false, 0,
+                               0, block_amax * multiplier < 7.0f, &sign_bits);
+  }
+  *reinterpret_cast<uint64_t*>(codes) = packed;  // little-endian bytes
+  *scale = s.byte;
+}
+
 template <bool kRowStochastic, bool kColRht, bool kColStochastic, bool kTile16>
-__global__ void __launch_bounds__(kPrivThreads)
+__global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
     QuantizePrivateTileKernel(const TileArgs args) {
   // 16x16 blocks share one amax both ways only without RHT on the columns.
   static_assert(!(kTile16 && kColRht), "16x16 tiles with column RHT");
   using T = In<InType::kBf16>;
   __shared__ uint32_t slices[kPrivThreads * kSliceWords];
+  __shared__ float multipliers[2][kScaleBytes];  // row-wise, column-wise
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int h = lane & 1;
@@ -679,18 +721,36 @@ __global__ void __launch_bounds__(kPrivThreads)
   // The pair's slices: tile rows 0 .. 7 and 8 .. 15.
   const uint32_t* const upper = slices + (threadIdx.x & ~1) * kSliceWords;
   const uint32_t* const lower = upper + kSliceWords;
-  // The options EncodeAndStore reads, as constants (the kernel arguments hold
+  // The options the encode reads, as constants (the kernel arguments hold
   // the same values; RHT and 16x16 blocks are handled here, from kColRht and
   // kTile16).
   OutputArgs row_out = args.row;
   row_out.stochastic = kRowStochastic;
-  row_out.codes_aligned = true;
   OutputArgs col_out = args.col;
   col_out.stochastic = kColStochastic;
-  col_out.codes_aligned = true;
+  // Output strides in bytes: code and scale rows of each output.
+  const uint64_t row_codes_stride = static_cast<uint64_t>(args.k) / 2;
+  const uint64_t row_scales_stride = static_cast<uint64_t>(args.k) / kBlock;
+  const uint64_t col_codes_stride = static_cast<uint64_t>(args.m) / 2;
+  const uint64_t col_scales_stride = static_cast<uint64_t>(args.m) / kBlock;
+  int64_t table_b = -1;  // the batch item of the global scales and tables
+  GlobalScale g_row{}, g_col{};
   for (int64_t tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
     const int64_t rest = Div(tile, args.k_tiles);
     const int64_t b = Div(rest, args.m_tiles);
+    if (b != table_b) {  // the same for the whole CTA
+      __syncthreads();   // every lane is done with the old tables
+      g_row = GlobalScaleOf(row_out, b);
+      g_col = GlobalScaleOf(col_out, b);
+#pragma unroll
+      for (int i = threadIdx.x; i < kScaleBytes; i += kPrivThreads) {
+        const float scale = E4M3ValueFast(static_cast<uint8_t>(i));
+        multipliers[0][i] = BlockEncodeMultiplier(scale, g_row);
+        multipliers[1][i] = BlockEncodeMultiplier(scale, g_col);
+      }
+      __syncthreads();
+      table_b = b;
+    }
     // The pair's tile: rows m0 .. m0 + 15, columns k0 .. k0 + 15.
     const int64_t m0 =
         (rest - b * args.m_tiles) * kPrivTileM + 64 * warp + 16 * (lane >> 3);
@@ -747,28 +807,36 @@ __global__ void __launch_bounds__(kPrivThreads)
         key1 = args.key.key[2 * kk + 1];
       }
       {  // Row r along k: output element (b, m0 + 8h + r, k0).
-        const GlobalScale g = GlobalScaleOf(row_out, b);
         const int64_t mh = m0 + kHalfRows * h;
-        const uint64_t flat0 =
-            static_cast<uint64_t>((b * args.m + mh) * args.k + k0);
+        const int64_t flat0 = (b * args.m + mh) * args.k + k0;
+        uint8_t* codes = row_out.codes + flat0 / 2;
+        uint8_t* scales = row_out.scales + flat0 / kBlock;
 #pragma unroll 1  // short code: see the column loop
         for (int r = 0; r < kHalfRows; ++r) {
+          uint32_t words[kBlock / 2];
           float v[kBlock];
 #pragma unroll
-          for (int j = 0; j < kBlock; ++j) {
-            v[j] = T::FromRaw(slice[SliceWord(r, j / 2)] >> (16 * (j % 2)));
+          for (int j = 0; j < kBlock / 2; ++j) {
+            words[j] = slice[SliceWord(r, j)];
+            v[2 * j] = BitsToFloat(words[j] << 16);
+            v[2 * j + 1] = BitsToFloat(words[j] & 0xFFFF0000u);
           }
+          const uint64_t signs =
+              SignNibbles8Bf16(words) |
+              (static_cast<uint64_t>(SignNibbles8Bf16(words + 4)) << 32);
           const BlockMax block_max = BlockAmax(v);
-          EncodeAndStore(v, kTile16 ? tile_amax : block_max.amax,
-                         block_max.has_nan, g, row_out, key0, key1,
-                         flat0 + r * static_cast<uint64_t>(args.k), b, mh + r,
-                         k0);
+          EncodeAndStoreFromTable<kRowStochastic>(
+              v, signs, kTile16 ? tile_amax : block_max.amax, block_max.has_nan,
+              g_row, multipliers[0], row_out, key0, key1, codes, scales, b,
+              mh + r, k0);
+          codes += row_codes_stride;
+          scales += row_scales_stride;
         }
       }
       {  // Columns 8h + 2p, 8h + 2p + 1 along m: output (b, k0 + c, m0).
-        const GlobalScale g = GlobalScaleOf(col_out, b);
-        const uint64_t flat0 =
-            static_cast<uint64_t>((b * args.k + k0) * args.m + m0);
+        const int64_t flat0 = (b * args.k + k0) * args.m + m0;
+        uint8_t* const codes = col_out.codes + flat0 / 2;
+        uint8_t* const scales = col_out.scales + flat0 / kBlock;
 #pragma unroll 1
         for (int p = 0; p < 4; ++p) {
           const int j = 4 * h + p;  // the word of each row
@@ -785,18 +853,34 @@ __global__ void __launch_bounds__(kPrivThreads)
 // 16384 x 8192 on an H200; 312 us with 3144 instructions).
 #pragma unroll 1
           for (int s = 0; s < 2; ++s) {
+            // Element s of each word, widened: one byte permute.
+            const uint32_t select = s == 0 ? 0x1044u : 0x3244u;
             float v[kBlock];
 #pragma unroll
             for (int r = 0; r < kBlock; ++r) {
-              v[r] = T::FromRaw(w[r] >> (16 * s));
+              v[r] = BitsToFloat(__byte_perm(w[r], 0u, select));
             }
-            MaybeRht(kColRht, v);
+            uint64_t signs;
+            if constexpr (kColRht) {
+              float y[kBlock];
+              uint32_t packed[kBlock / 2];
+              RandomHadamard16Bf16Fast(v, y, packed);
+#pragma unroll
+              for (int r = 0; r < kBlock; ++r) v[r] = y[r];
+              signs =
+                  SignNibbles8Bf16(packed) |
+                  (static_cast<uint64_t>(SignNibbles8Bf16(packed + 4)) << 32);
+            } else {
+              signs = SignNibbles8(v) |
+                      (static_cast<uint64_t>(SignNibbles8(v + 8)) << 32);
+            }
             const BlockMax block_max = BlockAmax(v);
             const int c = 2 * j + s;
-            EncodeAndStore(v, kTile16 ? tile_amax : block_max.amax,
-                           block_max.has_nan, g, col_out, key0, key1,
-                           flat0 + c * static_cast<uint64_t>(args.m), b, k0 + c,
-                           m0);
+            EncodeAndStoreFromTable<kColStochastic>(
+                v, signs, kTile16 ? tile_amax : block_max.amax,
+                block_max.has_nan, g_col, multipliers[1], col_out, key0, key1,
+                codes + c * col_codes_stride, scales + c * col_scales_stride, b,
+                k0 + c, m0);
           }
         }
       }
@@ -1167,12 +1251,13 @@ unsigned int GridFor(int64_t work_items) {
 // Grid of a persistent kernel: as many CTAs as fit on the device at once
 // (at least 1), and no more than there is work for.
 template <typename Kernel>
-unsigned int PersistentGrid(Kernel kernel, int64_t work_ctas) {
+unsigned int PersistentGrid(Kernel kernel, int64_t work_ctas,
+                            int threads = kThreads) {
   int device = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
           cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
                                                     0) != cudaSuccess) {
     cudaGetLastError();  // clear it; fall back to a fixed grid
     sms = 132;
@@ -1290,10 +1375,10 @@ void LaunchPrivateTile(cudaStream_t stream, TileArgs args, Flags... flags) {
     args.m_tiles = (args.m + kPrivTileM - 1) / kPrivTileM;
     args.k_tiles = (args.k + kPrivTileK - 1) / kPrivTileK;
     args.tiles = args.batch * args.m_tiles * args.k_tiles;
-    const auto grid = static_cast<unsigned int>(std::min(args.tiles, kMaxGrid));
     if constexpr (PrivateTileOptionsValid(kOptions...)) {
-      QuantizePrivateTileKernel<kOptions...>
-          <<<grid, kPrivThreads, 0, stream>>>(args);
+      const auto kernel = QuantizePrivateTileKernel<kOptions...>;
+      kernel<<<PersistentGrid(kernel, args.tiles, kPrivThreads), kPrivThreads,
+               0, stream>>>(args);
     }
   } else {
     [&](bool flag, auto... rest) {

@@ -170,6 +170,36 @@ def test_fused_recipe_options_match_reference(
     fused_matches_reference(x, key, **kwargs)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
+def test_fused_kernel_walks_tiles_across_batch_items(col_rounding):
+    """More 128 x 64 tiles than an H200 holds CTAs at once (4 x 512 > 132 x
+    12), so each persistent CTA of QuantizePrivateTileKernel walks several
+    tiles and crosses batch items, rebuilding its encode-multiplier tables
+    for each item's global scales (the items differ in scale by 16x). The
+    vmapped quantize equals the items quantized one by one (512 tiles each:
+    one per CTA, checked against the reference by the other tests)."""
+    xs = jax.random.normal(jax.random.key(3), (4, 1024, 4096), jnp.bfloat16)
+    xs = xs * (16.0 ** jnp.arange(4, dtype=jnp.bfloat16))[:, None, None]
+    key = jax.random.key(4)
+
+    def fused(x):
+        return nv.quantize_rowwise_and_columnwise(
+            x, key=key, col_rht=True, col_rounding=col_rounding
+        )
+
+    rows, cols = jax.jit(jax.vmap(fused))(xs)
+    for i in range(xs.shape[0]):
+        one_rows, one_cols = jax.jit(fused)(xs[i])
+        for got, want in ((rows, one_rows), (cols, one_cols)):
+            np.testing.assert_array_equal(got.codes[i], want.codes)
+            np.testing.assert_array_equal(
+                np.asarray(got.scales[i]).view(np.uint8),
+                np.asarray(want.scales).view(np.uint8),
+            )
+            np.testing.assert_array_equal(got.amax[i], want.amax)
+
+
 def test_dequantize_matches_reference_and_dtypes():
     x = outlier_data(6, (32, 64), jnp.float32)
     t = nv.quantize(x)
