@@ -295,21 +295,6 @@ __device__ __forceinline__ BlockScaleE4M3 E4M3FromFloat(float v) {
 #endif
 }
 
-// The value of an E4M3 byte other than 0x7F / 0xFF (NaN), as E4M3Decode
-// gives it: on sm_89+ by cvt to float16 (exact).
-__device__ __forceinline__ float E4M3ValueFast(uint8_t byte) {
-#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC) || __CUDA_ARCH__ < 890
-  return E4M3Decode(byte);
-#else
-  uint32_t halves;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;"
-      : "=r"(halves)
-      : "h"(static_cast<uint16_t>(byte)));
-  return __half2float(
-      __ushort_as_half(static_cast<uint16_t>(halves & 0xFFFFu)));
-#endif
-}
-
 // BlockScale(block_amax, g) and its byte.
 __device__ __forceinline__ BlockScaleE4M3 BlockScaleFast(float block_amax,
                                                          GlobalScale g) {

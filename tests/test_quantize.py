@@ -172,13 +172,10 @@ def test_fused_recipe_options_match_reference(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
-def test_fused_kernel_walks_tiles_across_batch_items(col_rounding):
-    """More 128 x 64 tiles than an H200 holds CTAs at once (4 x 512 > 132 x
-    12), so each persistent CTA of QuantizePrivateTileKernel walks several
-    tiles and crosses batch items, rebuilding its encode-multiplier tables
-    for each item's global scales (the items differ in scale by 16x). The
-    vmapped quantize equals the items quantized one by one (512 tiles each:
-    one per CTA, checked against the reference by the other tests)."""
+def test_fused_kernel_batch_items_with_their_own_scales(col_rounding):
+    """The vmapped fused quantize (one QuantizePrivateTileKernel launch over 4
+    batch items whose global scales differ by 16x, 2048 tiles: more than an
+    H200 holds CTAs at once) equals the items quantized one by one."""
     xs = jax.random.normal(jax.random.key(3), (4, 1024, 4096), jnp.bfloat16)
     xs = xs * (16.0 ** jnp.arange(4, dtype=jnp.bfloat16))[:, None, None]
     key = jax.random.key(4)
