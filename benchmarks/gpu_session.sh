@@ -29,7 +29,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -P -c "import jax_nvfp4 as nv; print('tests import', nv.__file__, sorted(nv.available_platforms()))"
 IFS=';' read -ra test_groups <<< "$tests"
 bash benchmarks/gpu_tests_parallel.sh "${test_groups[@]}"
-[ -n "${SKIP_QUANTIZE_BENCH:-}" ] || timeout 200 python3 benchmarks/quantize_bench.py --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
+[ -n "${SKIP_QUANTIZE_BENCH:-}" ] || timeout 200 python3 benchmarks/quantize_bench.py --kernels --out "$OUT/quantize_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -16
 if [ -z "${SKIP_LINEAR_BENCH:-}" ]; then
 hlo=(); [ -n "${KEEP_HLO:-}" ] && { mkdir -p "$OUT/hlo"; hlo=(--hlo-dir "$OUT/hlo"); }
 timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/linear_bench.py --out "$OUT/linear_bench.json" "${hlo[@]}" \

@@ -22,7 +22,10 @@ Minimum bytes of a fused quantize: read 2 B/elem, write 2 x (0.5 + 1/16) B/elem
 0.5625 and writes 2 B/elem. "TB/s" and "of copy" count those bytes.
 Each timing runs the op on REPEAT and on REPEAT/2 distinct inputs inside one
 jitted call (no input is reused from L2) and takes the difference of the two
-medians over REPEAT/2: the per-op device time, free of dispatch overhead.
+medians over REPEAT/2: the per-op time, free of dispatch overhead ("time").
+On a GPU the REPEAT-input call is also traced once (jax.profiler, CUPTI) and
+the durations of the kernels it ran are summed ("device": the kernels'
+time per op, without the gaps between them; --kernels lists them).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import glob
 import json
 import statistics
+import tempfile
 import time
 
 import jax
@@ -63,7 +68,32 @@ def timed(fn, inputs):
     )
 
 
-def bench_shape(m, k):
+def device_time(fn, inputs):
+    """(seconds of kernels per application of fn, {kernel: ns}) from one
+    traced call on REPEAT inputs; (None, {}) off a GPU."""
+    if jax.default_backend() != "gpu":
+        return None, {}
+    run = jax.jit(lambda xs: [fn(x) for x in xs])
+    jax.block_until_ready(run(inputs))
+    with tempfile.TemporaryDirectory() as directory:
+        jax.profiler.start_trace(directory)
+        jax.block_until_ready(run(inputs))
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    kernels = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue  # the XLA Ops/Modules lines repeat the kernels
+            for e in line.events:
+                kernels[e.name] = kernels.get(e.name, 0.0) + e.duration_ns
+    return sum(kernels.values()) / 1e9 / len(inputs), kernels
+
+
+def bench_shape(m, k, list_kernels=False):
     keys = jax.random.split(jax.random.key(0), REPEAT)
     xs = [jax.random.normal(kk, (m, k), jnp.bfloat16) for kk in keys]
     n = m * k
@@ -117,10 +147,34 @@ def bench_shape(m, k):
             lambda t: cuda_gemm.decode_bf16_cuda(t.codes, t.scales), rows_only
         )
         bytes_per_element["decode"] = 2.5625
+    inputs = {"kernel": with_amaxes, "kernel_x": with_amaxes, "kernel_2d": with_amaxes}
+    ops = {
+        "copy": lambda x: x + 1,
+        "kernel": lambda xa: fused(xa[0], row_amax=xa[1][0], col_amax=xa[1][1]),
+        "kernel_x": lambda xa: nv.quantize_rowwise_and_columnwise(
+            xa[0], **x_options, row_amax=xa[1][0], col_amax=xa[1][1]
+        ),
+        "kernel_2d": lambda xa: nv.quantize_rowwise_and_columnwise(
+            xa[0],
+            row_block="16x16",
+            col_block="16x16",
+            row_amax=xa[1][0],
+            col_amax=xa[1][0],
+        ),
+    }
+    device = {}
+    for name, fn in ops.items():
+        device[name], kernels = device_time(fn, inputs.get(name, xs))
+        if list_kernels and kernels:
+            print(f"{m}x{k} {name}: kernels of {len(xs)} applications")
+            for kernel, ns in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                print(f"    {ns / 1e3:10,.1f} us  {kernel[:110]}")
     copy_bw = 4 * n / results["copy"]
+    device_copy_bw = 4 * n / device["copy"] if device.get("copy") else None
     rows = []
     for name, t in results.items():
         moved = bytes_per_element.get(name, 3.125) * n
+        dev = device.get(name)
         rows.append(
             {
                 "shape": f"{m}x{k}",
@@ -128,6 +182,10 @@ def bench_shape(m, k):
                 "time_us": t * 1e6,
                 "min_bytes_bandwidth_TBps": moved / t / 1e12,
                 "fraction_of_copy_bw": moved / t / copy_bw,
+                "device_time_us": dev * 1e6 if dev else None,
+                "device_fraction_of_copy_bw": moved / dev / device_copy_bw
+                if dev and device_copy_bw
+                else None,
                 # The reference is of the dY quantize: only the quantizes of
                 # the same options compare.
                 "vs_reference": results["reference"] / t
@@ -142,6 +200,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="write the results as JSON")
     parser.add_argument("--shapes", default="8192x4096,16384x8192")
+    parser.add_argument(
+        "--kernels", action="store_true", help="list the traced kernels per op"
+    )
     args = parser.parse_args()
     device = jax.devices()[0]
     print(
@@ -151,21 +212,28 @@ def main():
     all_rows = []
     for shape in args.shapes.split(","):
         m, k = map(int, shape.split("x"))
-        all_rows += bench_shape(m, k)
+        all_rows += bench_shape(m, k, args.kernels)
     print(
         f"{'shape':>12} {'op':>10} {'time us':>9} {'TB/s*':>7} "
-        f"{'of copy':>8} {'ref/this':>9}"
+        f"{'of copy':>8} {'ref/this':>9} {'device us':>10} {'of copy':>8}"
     )
     for r in all_rows:
+        dev = r["device_time_us"]
         print(
             f"{r['shape']:>12} {r['op']:>10} {r['time_us']:9.1f} "
             f"{r['min_bytes_bandwidth_TBps']:7.2f} "
             f"{r['fraction_of_copy_bw']:8.2f} "
             + (f"{r['vs_reference']:9.2f}" if r["vs_reference"] else f"{'-':>9}")
+            + (
+                f" {dev:10.1f} {r['device_fraction_of_copy_bw']:8.2f}"
+                if dev
+                else f" {'-':>10} {'-':>8}"
+            )
         )
     print(
         "* TB/s counts the minimum bytes of each op (a quantize 3.125 B/elem, "
-        "amax 2, decode 2.5625, copy 4), whatever it reads on top"
+        "amax 2, decode 2.5625, copy 4), whatever it reads on top; device: the "
+        "traced kernels' time per op (the copy's for 'of copy')"
     )
     if args.out:
         with open(args.out, "w") as f:

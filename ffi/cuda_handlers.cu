@@ -674,11 +674,12 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
 // contiguous bytes (4 m blocks x 8 bytes) of each output row. A CTA is 2
 // warps along m: 128 (m) x 64 (k), with 16.6 KB of shared memory, and
 // takes one tile (the hardware balances the CTAs across the SMs). Measured
-// on an H200 and dropped: persistent CTAs (as many as fit, walking the
-// tiles) with a per-CTA shared-memory table of encode multipliers in place
-// of the IEEE division per block -- 11% fewer instructions but 12% slower
-// (a table load in every block's dependency chain; a tail of CTAs with one
-// tile left).
+// on an H200 and dropped: a per-CTA shared-memory table of encode
+// multipliers (one per scale byte) in place of the IEEE division per block:
+// with persistent CTAs (a table built once per CTA) 12% fewer instructions
+// but 14% slower (231 vs 202 us at 16384 x 8192: a tail of CTAs with one
+// tile left, and a table load in every block's dependency chain), with one
+// tile per CTA 2% slower.
 // ---------------------------------------------------------------------------
 constexpr int kPrivThreads = 64;
 constexpr int kPrivTileM = 128;        // CTA tile rows (m)
@@ -702,13 +703,9 @@ __device__ __forceinline__ void EncodeAndStoreSigned(
     const float (&v)[kBlock], uint64_t sign_bits, float block_amax,
     bool has_nan, GlobalScale g, const OutputArgs& out, uint32_t key0,
     uint32_t key1, uint8_t* codes, uint8_t* scale, int64_t b, int64_t r,
-    int64_t l, const float* multipliers) {
+    int64_t l) {
   const BlockScaleE4M3 s = BlockScaleFast(block_amax, g);
-#if defined(JAX_NVFP4_PRIV_TABLE)
-  const float multiplier = multipliers[s.byte];
-#else
   const float multiplier = BlockEncodeMultiplier(s.value, g);
-#endif
   uint64_t packed;
   if constexpr (kStochastic) {
     const uint64_t w =
@@ -732,12 +729,6 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
   static_assert(!(kTile16 && kColRht), "16x16 tiles with column RHT");
   using T = In<InType::kBf16>;
   __shared__ uint32_t slices[kPrivThreads * kSliceWords];
-#if defined(JAX_NVFP4_PRIV_TABLE)
-  __shared__ float multipliers[2][128];
-  int64_t table_b = -1;
-#else
-  constexpr float* multipliers[2] = {nullptr, nullptr};
-#endif
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int h = lane & 1;
@@ -768,20 +759,6 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
     // Both lanes of a pair agree (m, k multiples of 16); every lane still
     // reaches the __syncwarp()s.
     const bool active = m0 < args.m && k0 < args.k;
-#if defined(JAX_NVFP4_PRIV_TABLE)
-    if (b != table_b) {
-      __syncthreads();
-      const GlobalScale gr = GlobalScaleOf(row_out, b);
-      const GlobalScale gc = GlobalScaleOf(col_out, b);
-      for (int i = threadIdx.x; i < 128; i += kPrivThreads) {
-        const float scale = E4M3Decode(static_cast<uint8_t>(i));
-        multipliers[0][i] = BlockEncodeMultiplier(scale, gr);
-        multipliers[1][i] = BlockEncodeMultiplier(scale, gc);
-      }
-      __syncthreads();
-      table_b = b;
-    }
-#endif
     if (active) {  // Rows m0 + 8h .. m0 + 8h + 7, elements k0 .. k0 + 15.
       const uint4* x = reinterpret_cast<const uint4*>(
           static_cast<const char*>(args.x) +
@@ -851,8 +828,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
           const BlockMax block_max = BlockAmaxBf16(words, v);
           EncodeAndStoreSigned<kRowStochastic>(
               v, signs, kTile16 ? tile_amax : block_max.amax, block_max.has_nan,
-              g, row_out, key0, key1, codes, scales, b, mh + r, k0,
-              multipliers[0]);
+              g, row_out, key0, key1, codes, scales, b, mh + r, k0);
           codes += row_codes_stride;
           scales += row_scales_stride;
         }
@@ -905,7 +881,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
                 v, signs, kTile16 ? tile_amax : block_max.amax,
                 block_max.has_nan, g, col_out, key0, key1,
                 codes + c * col_codes_stride, scales + c * col_scales_stride, b,
-                k0 + c, m0, multipliers[1]);
+                k0 + c, m0);
           }
         }
       }
