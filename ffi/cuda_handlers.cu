@@ -841,6 +841,9 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
 #pragma unroll 1
         for (int p = 0; p < 4; ++p) {
           const int j = 4 * h + p;  // the word of each row
+          // Output rows 2j and 2j + 1 (advanced after the first).
+          uint8_t* col_codes = codes + 2 * j * col_codes_stride;
+          uint8_t* col_scales = scales + 2 * j * col_scales_stride;
           uint32_t w[kBlock];
 #pragma unroll
           for (int r = 0; r < kHalfRows; ++r) {
@@ -862,6 +865,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
               v[r] = BitsToFloat(__byte_perm(w[r], 0u, select));
             }
             uint64_t signs;
+            BlockMax block_max;
             if constexpr (kColRht) {
               float y[kBlock];
               uint32_t packed[kBlock / 2];
@@ -871,17 +875,20 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
               signs =
                   SignNibbles8Bf16(packed) |
                   (static_cast<uint64_t>(SignNibbles8Bf16(packed + 4)) << 32);
+              // From the bfloat16 words, as for the rows: the transform's
+              // outputs are widened once, after the encode multiplier.
+              block_max = BlockAmaxBf16(packed, v);
             } else {
               signs = SignNibbles8(v) |
                       (static_cast<uint64_t>(SignNibbles8(v + 8)) << 32);
+              block_max = BlockAmax(v);
             }
-            const BlockMax block_max = BlockAmax(v);
-            const int c = 2 * j + s;
             EncodeAndStoreSigned<kColStochastic>(
                 v, signs, kTile16 ? tile_amax : block_max.amax,
-                block_max.has_nan, g, col_out, key0, key1,
-                codes + c * col_codes_stride, scales + c * col_scales_stride, b,
-                k0 + c, m0);
+                block_max.has_nan, g, col_out, key0, key1, col_codes,
+                col_scales, b, k0 + 2 * j + s, m0);
+            col_codes += col_codes_stride;
+            col_scales += col_scales_stride;
           }
         }
       }
