@@ -108,23 +108,20 @@ def bench_shape(m, k, list_kernels=False):
 
     amaxes = [(nv.global_amax(x), nv.global_amax(x, axis=0, rht=True)) for x in xs]
     with_amaxes = list(zip(xs, amaxes, strict=True))
-    results = {
-        "copy": timed(lambda x: x + 1, xs),
-        "fused": timed(fused, xs),
-        "kernel": timed(
+    # name: (fn, its inputs); the first four are also timed by the trace.
+    ops = {
+        "copy": (lambda x: x + 1, xs),
+        "kernel": (
             lambda xa: fused(xa[0], row_amax=xa[1][0], col_amax=xa[1][1]),
             with_amaxes,
         ),
-        "fused_x": timed(
-            lambda x: nv.quantize_rowwise_and_columnwise(x, **x_options), xs
-        ),
-        "kernel_x": timed(
+        "kernel_x": (
             lambda xa: nv.quantize_rowwise_and_columnwise(
                 xa[0], **x_options, row_amax=xa[1][0], col_amax=xa[1][1]
             ),
             with_amaxes,
         ),
-        "kernel_2d": timed(
+        "kernel_2d": (
             lambda xa: nv.quantize_rowwise_and_columnwise(
                 xa[0],
                 row_block="16x16",
@@ -134,9 +131,16 @@ def bench_shape(m, k, list_kernels=False):
             ),
             with_amaxes,
         ),
-        "amax_rht": timed(lambda x: nv.global_amax(x, axis=0, rht=True), xs),
-        "reference": timed(functools.partial(fused, implementation="reference"), xs),
+        "fused": (fused, xs),
+        "fused_x": (
+            lambda x: nv.quantize_rowwise_and_columnwise(x, **x_options),
+            xs,
+        ),
+        "amax_rht": (lambda x: nv.global_amax(x, axis=0, rht=True), xs),
+        "reference": (functools.partial(fused, implementation="reference"), xs),
     }
+    traced = ("copy", "kernel", "kernel_x", "kernel_2d")
+    results = {name: timed(fn, inputs) for name, (fn, inputs) in ops.items()}
     # Bytes per element each op must move at least (a quantize: read bf16,
     # write two codes + scales; the decode: read codes + scales, write bf16).
     bytes_per_element = {"copy": 4.0, "amax_rht": 2.0}
@@ -147,24 +151,10 @@ def bench_shape(m, k, list_kernels=False):
             lambda t: cuda_gemm.decode_bf16_cuda(t.codes, t.scales), rows_only
         )
         bytes_per_element["decode"] = 2.5625
-    inputs = {"kernel": with_amaxes, "kernel_x": with_amaxes, "kernel_2d": with_amaxes}
-    ops = {
-        "copy": lambda x: x + 1,
-        "kernel": lambda xa: fused(xa[0], row_amax=xa[1][0], col_amax=xa[1][1]),
-        "kernel_x": lambda xa: nv.quantize_rowwise_and_columnwise(
-            xa[0], **x_options, row_amax=xa[1][0], col_amax=xa[1][1]
-        ),
-        "kernel_2d": lambda xa: nv.quantize_rowwise_and_columnwise(
-            xa[0],
-            row_block="16x16",
-            col_block="16x16",
-            row_amax=xa[1][0],
-            col_amax=xa[1][0],
-        ),
-    }
     device = {}
-    for name, fn in ops.items():
-        device[name], kernels = device_time(fn, inputs.get(name, xs))
+    for name in traced:
+        fn, inputs = ops[name]
+        device[name], kernels = device_time(fn, inputs)
         if list_kernels and kernels:
             print(f"{m}x{k} {name}: kernels of {len(xs)} applications")
             for kernel, ns in sorted(kernels.items(), key=lambda kv: -kv[1]):

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Compares build variants of the CUDA handlers in one device call: for each
-# "name=flags" argument (flags: extra nvcc flags, e.g. -DSOME_SWITCH; empty
-# for the default build) it installs the package, then records
+# "name=flag" argument (flag: one extra nvcc flag, e.g. -DSOME_SWITCH that
+# the sources test; empty for the default build) it installs the package,
+# then records
 #   - Nsight Compute duration, warp instructions, issue-slot use and active
 #     warps of the fused quantize kernel at both benchmark shapes
 #     (quantize_profile.py: X's and dY's options, amaxes given);
 #   - the quantize benchmark table (bench_<name>.txt).
 # The last variant stays installed and gets the fused-quantize GPU tests.
-#   bash benchmarks/variant_session.sh default= table=-DJAX_NVFP4_PRIV_TABLE
+#   bash benchmarks/variant_session.sh default= other=-DSOME_SWITCH
+# (The switches measured on 2026-11-29 -- JAX_NVFP4_PRIV_TABLE,
+# JAX_NVFP4_PRIV_ONE_WARP -- were removed with their variants: NOTES.md.)
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1

@@ -686,7 +686,7 @@ constexpr int kPrivTileM = 128;        // CTA tile rows (m)
 constexpr int kPrivTileK = 64;         // CTA tile columns (k)
 constexpr int kHalfRows = kBlock / 2;  // tile rows per lane
 constexpr int kSliceWords = kHalfRows * kBlock / 2 + 1;
-// 12 CTAs (24 warps) per SM: at most 85 registers per thread (the
+// 12 CTAs (24 warps) per SM: at most 80 registers per thread (the
 // stochastic-rounding instantiations would take 96, 20 warps), 12 x 17.7 KB
 // of shared memory (16.6 KB + the 1 KB the SM reserves per CTA). One-warp
 // CTAs (64 x 64 tiles, 24 per SM) measured the same on an H200.
@@ -700,7 +700,7 @@ __device__ __forceinline__ int SliceWord(int r, int j) {
 // EncodeAndStore with the sign bits given (bit 4i + 3 for v[i]). The 8
 // code bytes go to `codes` (8-byte aligned), the scale byte to `scale`.
 template <bool kStochastic>
-__device__ __forceinline__ void EncodeAndStoreSigned(
+__device__ __forceinline__ void EncodeAndStoreWithSigns(
     const float (&v)[kBlock], uint64_t sign_bits, float block_amax,
     bool has_nan, GlobalScale g, const OutputArgs& out, uint32_t key0,
     uint32_t key1, uint8_t* codes, uint8_t* scale, int64_t b, int64_t r,
@@ -737,13 +737,10 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
   // The pair's slices: tile rows 0 .. 7 and 8 .. 15.
   const uint32_t* const upper = slices + (threadIdx.x & ~1) * kSliceWords;
   const uint32_t* const lower = upper + kSliceWords;
-  // The options the encode reads, as constants (the kernel arguments hold
-  // the same values; RHT and 16x16 blocks are handled here, from kColRht and
-  // kTile16).
-  OutputArgs row_out = args.row;
-  row_out.stochastic = kRowStochastic;
-  OutputArgs col_out = args.col;
-  col_out.stochastic = kColStochastic;
+  // The rounding, RHT and block options come from the template arguments
+  // (the kernel arguments hold the same values).
+  const OutputArgs& row_out = args.row;
+  const OutputArgs& col_out = args.col;
   // Output strides in bytes: code and scale rows of each output.
   const uint64_t row_codes_stride = static_cast<uint64_t>(args.k) / 2;
   const uint64_t row_scales_stride = static_cast<uint64_t>(args.k) / kBlock;
@@ -827,7 +824,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
               SignNibbles8Bf16(words) |
               (static_cast<uint64_t>(SignNibbles8Bf16(words + 4)) << 32);
           const BlockMax block_max = BlockAmaxBf16(words, v);
-          EncodeAndStoreSigned<kRowStochastic>(
+          EncodeAndStoreWithSigns<kRowStochastic>(
               v, signs, kTile16 ? tile_amax : block_max.amax, block_max.has_nan,
               g, row_out, key0, key1, codes, scales, b, mh + r, k0);
           codes += row_codes_stride;
@@ -876,15 +873,16 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
               signs =
                   SignNibbles8Bf16(packed) |
                   (static_cast<uint64_t>(SignNibbles8Bf16(packed + 4)) << 32);
-              // From the bfloat16 words, as for the rows: the transform's
-              // outputs are widened once, after the encode multiplier.
+              // From the bfloat16 words, as for the rows: with the float
+              // values first needed by the encode, ptxas widens them once
+              // (after the division) rather than twice.
               block_max = BlockAmaxBf16(packed, v);
             } else {
               signs = SignNibbles8(v) |
                       (static_cast<uint64_t>(SignNibbles8(v + 8)) << 32);
               block_max = BlockAmax(v);
             }
-            EncodeAndStoreSigned<kColStochastic>(
+            EncodeAndStoreWithSigns<kColStochastic>(
                 v, signs, kTile16 ? tile_amax : block_max.amax,
                 block_max.has_nan, g, col_out, key0, key1, col_codes,
                 col_scales, b, k0 + 2 * j + s, m0);

@@ -123,12 +123,19 @@ def test_fused_rowwise_columnwise(dtype, row_rht, col_rht, col_rounding):
 
 
 def _edge_blocks(x):
-    """x with a NaN, +-inf, a -0.0 row block, an all-zero 16x16 tile and a
-    block whose scale underflows, at places that cut both ways."""
+    """x with a NaN, +-inf, a -0.0 row block, a -0.0 column block, an
+    all-zero 16x16 tile, a block whose scale underflows and a tile of
+    bfloat16 subnormals (signs mixed), at places that cut both ways."""
     x = x.at[..., 3, 5].set(jnp.nan)
     x = x.at[..., 40, 17].set(jnp.inf).at[..., 41, 130].set(-jnp.inf)
     x = x.at[..., 20, 32:48].set(-0.0)
+    x = x.at[..., 112:128, 33].set(-0.0)
     x = x.at[..., 48:64, 64:80].set(0.0)
+    # Subnormal bit patterns 0x0001 .. 0x007F, half of them negative.
+    bits = jnp.arange(256, dtype=jnp.uint16).reshape(16, 16)
+    bits = (bits % 127 + 1) | ((bits % 2) << 15)
+    tiny = jax.lax.bitcast_convert_type(bits, x.dtype)
+    x = x.at[..., 128:144, 144:160].set(jnp.broadcast_to(tiny, x[..., :16, :16].shape))
     return x.at[..., 80:96, 96:112].set(1e-30)
 
 
