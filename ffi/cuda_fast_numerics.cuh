@@ -244,18 +244,7 @@ __device__ __forceinline__ void RandomHadamard16Bf16Fast(
     z[i] = __fmaf_rn(x[i + 1], sn, zi);
     z[i + 1] = __fmaf_rn(x[i + 1], -sn, zi);
   }
-#pragma unroll
-  for (int h = 2; h < kBlock; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) {
-      if ((i & h) == 0) {
-        const float a = z[i];
-        const float b = z[i + h];
-        z[i] = a + b;
-        z[i + h] = a - b;
-      }
-    }
-  }
+  ButterflyStages<2>(z);  // the header's remaining stages
 #pragma unroll
   for (int i = 0; i < kBlock; i += 2) {
     const __nv_bfloat162 b = __floats2bfloat162_rn(z[i], z[i + 1]);

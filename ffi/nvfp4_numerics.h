@@ -242,21 +242,15 @@ NVFP4_HD float RoundToBfloat16(float f) {
   return BitsToFloat(bits);
 }
 
-// z = x16 * R in float32: z_j = x_j * s_j * 0.25 (exact), then z * H16 by
-// the radix-2 fast Walsh-Hadamard butterfly -- stages h = 1, 2, 4, 8, each
-// replacing the pair (z_i, z_{i+h}), i & h == 0, by (z_i + z_{i+h},
-// z_i - z_{i+h}).
-NVFP4_HD void HadamardButterfly16(const float x[kBlock], float z[kBlock]) {
+// Stages h = kFirst, 2 kFirst, ..., 8 of the radix-2 fast Walsh-Hadamard
+// butterfly on z, in place: each replaces the pair (z_i, z_{i+h}), i & h ==
+// 0, by (z_i + z_{i+h}, z_i - z_{i+h}).
+template <int kFirst>
+NVFP4_HD void ButterflyStages(float z[kBlock]) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int j = 0; j < kBlock; ++j) {
-    z[j] = x[j] * (((kRhtSignMask >> j) & 1u) ? -0.25f : 0.25f);
-  }
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-  for (int h = 1; h < kBlock; h <<= 1) {
+  for (int h = kFirst; h < kBlock; h <<= 1) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
@@ -269,6 +263,18 @@ NVFP4_HD void HadamardButterfly16(const float x[kBlock], float z[kBlock]) {
       }
     }
   }
+}
+
+// z = x16 * R in float32: z_j = x_j * s_j * 0.25 (exact), then z * H16 by
+// the butterfly, stages h = 1, 2, 4, 8.
+NVFP4_HD void HadamardButterfly16(const float x[kBlock], float z[kBlock]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < kBlock; ++j) {
+    z[j] = x[j] * (((kRhtSignMask >> j) & 1u) ? -0.25f : 0.25f);
+  }
+  ButterflyStages<1>(z);
 }
 
 // y = bf16(x16 * R): the butterfly, each result rounded to bfloat16.
