@@ -9,7 +9,10 @@
 //   4. RandomHadamard16Fast == RandomHadamard16 on 2^24 random blocks (NaN
 //      payloads aside), and RandomHadamard16Bf16Fast (values and packed
 //      words) on 2^24 random bfloat16 blocks;
-//   5. SignNibbles8Bf16 == SignNibbles8 on 2^24 random bfloat16 blocks.
+//   5. SignNibbles8Bf16 == SignNibbles8 on 2^24 random bfloat16 blocks;
+//   6. BlockAmax and BlockAmaxBf16 == a plain loop (max |v| ignoring NaN,
+//      and whether a NaN is there) on the same blocks, NaN / inf / -0.0 /
+//      subnormal elements included.
 //
 //   nvcc -std=c++17 -O3 --fmad=false -arch=sm_90a -I ffi \
 //        benchmarks/fast_numerics_check.cu -o /tmp/fast_numerics_check
@@ -20,7 +23,7 @@
 
 using namespace jax_nvfp4;
 
-__device__ unsigned long long g_mismatch[6];
+__device__ unsigned long long g_mismatch[7];
 
 __device__ __forceinline__ uint32_t Hash(uint32_t x) {
   x ^= x >> 16;
@@ -118,6 +121,35 @@ __global__ void CheckBf16Blocks(uint32_t blocks) {
          (static_cast<uint64_t>(SignNibbles8(x + 8)) << 32))) {
       atomicAdd(&g_mismatch[4], 1ull);
     }
+    // Specials at hashed places: NaN, +-inf, -0.0, a subnormal.
+    const uint32_t special = Hash(b ^ 0xA5A5A5A5u);
+    if (special % 5 == 0) {
+      const int i = (special >> 8) % kBlock;
+      const uint32_t u =
+          0x7FC00000u ^ ((special >> 12) % 4 == 0 ? 0x80000000u : 0u);
+      const uint32_t kinds[4] = {u, 0x7F800000u, 0xFF800000u, 0x80000000u};
+      const uint32_t bits = (special >> 16) % 5 == 4
+                                ? ((special >> 20) & 0x7Fu) << 16
+                                : kinds[(special >> 16) % 4];
+      x[i] = BitsToFloat(bits);
+      words[i / 2] = (i % 2 == 0) ? (words[i / 2] & 0xFFFF0000u) | (bits >> 16)
+                                  : (words[i / 2] & 0xFFFFu) | bits;
+    }
+    float plain = 0.0f;
+    bool plain_nan = false;
+    for (int i = 0; i < kBlock; ++i) {
+      if (x[i] != x[i]) {
+        plain_nan = true;
+      } else if (fabsf(x[i]) > plain) {
+        plain = fabsf(x[i]);
+      }
+    }
+    const BlockMax tree = BlockAmax(x), pairs = BlockAmaxBf16(words, x);
+    if (FloatBits(tree.amax) != FloatBits(plain) || tree.has_nan != plain_nan ||
+        FloatBits(pairs.amax) != FloatBits(plain) ||
+        pairs.has_nan != plain_nan) {
+      atomicAdd(&g_mismatch[6], 1ull);
+    }
     RandomHadamard16(x, want);
     RandomHadamard16Bf16Fast(x, got, packed);
     for (int i = 0; i < kBlock; ++i) {
@@ -139,7 +171,7 @@ int main() {
   CheckEncode<<<grid, threads>>>(1ull << 28, 0x9E3779B9u);
   CheckRht<<<grid, threads>>>(1u << 24);
   CheckBf16Blocks<<<grid, threads>>>(1u << 24);
-  unsigned long long mismatch[6];
+  unsigned long long mismatch[7];
   if (cudaMemcpyFromSymbol(mismatch, g_mismatch, sizeof(mismatch)) !=
       cudaSuccess) {
     std::printf("CUDA error: %s\n", cudaGetErrorString(cudaGetLastError()));
@@ -147,9 +179,9 @@ int main() {
   }
   std::printf(
       "fast numerics vs header: E4M3 %llu, nearest %llu, stochastic %llu, RHT "
-      "%llu, bf16 signs %llu, bf16 RHT %llu mismatches\n",
+      "%llu, bf16 signs %llu, bf16 RHT %llu, block amax %llu mismatches\n",
       mismatch[0], mismatch[1], mismatch[2], mismatch[3], mismatch[4],
-      mismatch[5]);
+      mismatch[5], mismatch[6]);
   unsigned long long any = 0;
   for (unsigned long long m : mismatch) any |= m;
   return any ? 1 : 0;

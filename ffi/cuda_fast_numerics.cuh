@@ -256,6 +256,75 @@ __device__ __forceinline__ void RandomHadamard16Bf16Fast(
 #endif
 }
 
+// ---------------------------------------------------------------------------
+// Block maxima for the block scales: the largest |v[i]| with NaN ignored
+// (as the CPU handlers take it), and whether the block holds a NaN.
+// ---------------------------------------------------------------------------
+// fmaxf over fabsf(v[i]) from 0.0f; a tree (the maximum of values >= +0,
+// NaN ignored, does not depend on the order).
+__device__ __forceinline__ float BlockAmaxIgnoringNan(
+    const float (&v)[kBlock]) {
+  float a[kBlock / 2];
+#pragma unroll
+  for (int i = 0; i < kBlock / 2; ++i) {
+    a[i] = fmaxf(fmaxf(0.0f, fabsf(v[i])), fabsf(v[i + kBlock / 2]));
+  }
+#pragma unroll
+  for (int n = kBlock / 4; n > 0; n /= 2) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) a[i] = fmaxf(a[i], a[i + n]);
+  }
+  return a[0];
+}
+
+__device__ __forceinline__ float MaxPropagatingNan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+struct BlockMax {
+  float amax;    // max |v[i]|, NaN ignored
+  bool has_nan;  // some v[i] is NaN
+};
+
+// The block's amax and whether it holds a NaN, with one NaN-propagating
+// maximum tree (the NaN-ignoring one is recomputed only for such blocks).
+__device__ __forceinline__ BlockMax BlockAmax(const float (&v)[kBlock]) {
+  float a[kBlock / 2];
+#pragma unroll
+  for (int i = 0; i < kBlock / 2; ++i) {
+    a[i] = MaxPropagatingNan(fabsf(v[i]), fabsf(v[i + kBlock / 2]));
+  }
+#pragma unroll
+  for (int n = kBlock / 4; n > 0; n /= 2) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) a[i] = MaxPropagatingNan(a[i], a[i + n]);
+  }
+  if (a[0] != a[0]) return {BlockAmaxIgnoringNan(v), true};
+  return {a[0], false};
+}
+
+// BlockAmax of the 16 bfloat16 values in w[0..7] (v: the same values as
+// floats), the maximum taken on bfloat16 pairs (exact: no rounding), so
+// that it needs only the words. NaN propagates through max.NaN.bf16x2.
+__device__ __forceinline__ BlockMax
+BlockAmaxBf16(const uint32_t (&w)[kBlock / 2], const float (&v)[kBlock]) {
+  __nv_bfloat162 m[kBlock / 4];
+#pragma unroll
+  for (int i = 0; i < kBlock / 4; ++i) {
+    const uint32_t a = w[i] & 0x7FFF7FFFu, b = w[i + kBlock / 4] & 0x7FFF7FFFu;
+    m[i] = __hmax2_nan(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                       *reinterpret_cast<const __nv_bfloat162*>(&b));
+  }
+  m[0] = __hmax2_nan(__hmax2_nan(m[0], m[2]), __hmax2_nan(m[1], m[3]));
+  const uint32_t bits = *reinterpret_cast<const uint32_t*>(&m[0]);
+  const float amax = MaxPropagatingNan(BitsToFloat(bits << 16),
+                                       BitsToFloat(bits & 0xFFFF0000u));
+  if (amax != amax) return {BlockAmaxIgnoringNan(v), true};
+  return {amax, false};
+}
+
 // A block scale: its E4M3 value (as a float) and byte.
 struct BlockScaleE4M3 {
   float value;
