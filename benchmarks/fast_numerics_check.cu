@@ -9,7 +9,7 @@
 //   4. RandomHadamard16Fast == RandomHadamard16 on 2^24 random blocks (NaN
 //      payloads aside), and RandomHadamard16Bf16Fast (values and packed
 //      words) on 2^24 random bfloat16 blocks;
-//   5. SignNibbles8Bf16 == SignNibbles8 on 2^24 random bfloat16 blocks;
+//   5. SignBits16Bf16 == SignBits16 on 2^24 random bfloat16 blocks;
 //   6. BlockAmax and BlockAmaxBf16 == a plain loop (max |v| ignoring NaN,
 //      and whether a NaN is there) on the same blocks, NaN / inf / -0.0 /
 //      subnormal elements included.
@@ -115,10 +115,7 @@ __global__ void CheckBf16Blocks(uint32_t blocks) {
       x[i] = BitsToFloat(u);
       words[i / 2] |= (i % 2 == 0) ? u >> 16 : u;
     }
-    if ((SignNibbles8Bf16(words) |
-         (static_cast<uint64_t>(SignNibbles8Bf16(words + 4)) << 32)) !=
-        (SignNibbles8(x) |
-         (static_cast<uint64_t>(SignNibbles8(x + 8)) << 32))) {
+    if (SignBits16Bf16(words) != SignBits16(x)) {
       atomicAdd(&g_mismatch[4], 1ull);
     }
     // Specials at hashed places: NaN, +-inf, -0.0, a subnormal.

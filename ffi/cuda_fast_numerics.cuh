@@ -130,6 +130,17 @@ __device__ __forceinline__ uint32_t SignNibbles8Bf16(const uint32_t* w) {
   return ((evens & 0x80808080u) >> 4) | (odds & 0x80808080u);
 }
 
+// The sign bits of a whole block at bits 4i + 3 (EncodeBlock16Fast's
+// sign_bits): from 16 floats, or from the 8 words of 16 bfloat16 values.
+__device__ __forceinline__ uint64_t SignBits16(const float* s) {
+  return SignNibbles8(s) | (static_cast<uint64_t>(SignNibbles8(s + 8)) << 32);
+}
+
+__device__ __forceinline__ uint64_t SignBits16Bf16(const uint32_t* w) {
+  return SignNibbles8Bf16(w) |
+         (static_cast<uint64_t>(SignNibbles8Bf16(w + 4)) << 32);
+}
+
 #if !defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
 // The codes of EncodeBlock16 with the sign bits clear, for a block without
 // NaN, from the scaled values v[i] * encode_multiplier.
@@ -170,7 +181,7 @@ MagnitudeCodes16(const float (&scaled)[kBlock], bool stochastic,
 // every |v[i]| * encode_multiplier is below 7 -- true when the block's amax
 // times the multiplier is (rounding is monotonic), i.e. for every block
 // whose scale neither saturates nor underflows. `sign_bits`, when given:
-// the sign bit of each v[i] at bit 4i + 3 (SignNibbles8Bf16 of the block's
+// the sign bit of each v[i] at bit 4i + 3 (SignBits16Bf16 of the block's
 // bfloat16 words), else taken from v.
 __device__ __forceinline__ uint64_t EncodeBlock16Fast(
     const float (&v)[kBlock], float encode_multiplier, bool has_nan,
@@ -192,9 +203,7 @@ __device__ __forceinline__ uint64_t EncodeBlock16Fast(
   const uint64_t magnitudes =
       MagnitudeCodes16(scaled, stochastic, random_lo, random_hi, below_seven);
   // Signs: those of v (the multiplier is positive; -0.0 keeps its sign).
-  if (sign_bits != nullptr) return magnitudes | *sign_bits;
-  return magnitudes | SignNibbles8(scaled) |
-         (static_cast<uint64_t>(SignNibbles8(scaled + 8)) << 32);
+  return magnitudes | (sign_bits != nullptr ? *sign_bits : SignBits16(scaled));
 #endif
 }
 

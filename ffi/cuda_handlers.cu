@@ -196,25 +196,28 @@ struct EncodedBlock {
 };
 
 // Quantizes one 16-element block (already transformed) whose scale comes
-// from `block_amax`. v[0] is element (b, r, l) of the output [batch, rows,
-// len]; its index in the whole tensor picks the stochastic-rounding bits.
-__device__ __forceinline__ EncodedBlock
-EncodeBlock(const float (&v)[kBlock], float block_amax, bool has_nan,
-            GlobalScale g, const OutputArgs& out, uint32_t key0, uint32_t key1,
-            int64_t b, int64_t r, int64_t l) {
+// from `block_amax`, with stochastic rounding when `stochastic` (out's
+// option, or a constant the caller knows it equals). v[0] is element
+// (b, r, l) of the output [batch, rows, len]; its index in the whole tensor
+// picks the stochastic-rounding bits. `sign_bits`: see EncodeBlock16Fast.
+__device__ __forceinline__ EncodedBlock EncodeBlock(
+    const float (&v)[kBlock], float block_amax, bool has_nan, GlobalScale g,
+    const OutputArgs& out, bool stochastic, uint32_t key0, uint32_t key1,
+    int64_t b, int64_t r, int64_t l, const uint64_t* sign_bits = nullptr) {
   const BlockScaleE4M3 scale = BlockScaleFast(block_amax, g);
   const float multiplier = BlockEncodeMultiplier(scale.value, g);
   uint64_t packed;
-  if (out.stochastic) {
+  if (stochastic) {
     const uint64_t w =
         GlobalRandomIndex(out.origin, out.place, out.transposed, b, r, l) / 8;
     const uint64_t random_lo = RandomBytes8(key0, key1, out.stream, w);
     const uint64_t random_hi = RandomBytes8(key0, key1, out.stream, w + 1);
     packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/true,
-                               random_lo, random_hi);
+                               random_lo, random_hi, /*below_seven=*/false,
+                               sign_bits);
   } else {
     packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/false, 0,
-                               0, block_amax * multiplier < 7.0f);
+                               0, block_amax * multiplier < 7.0f, sign_bits);
   }
   return {packed, scale.byte};
 }
@@ -236,8 +239,8 @@ __device__ __forceinline__ void EncodeAndStore(
     const float (&v)[kBlock], float block_amax, bool has_nan, GlobalScale g,
     const OutputArgs& out, uint32_t key0, uint32_t key1, uint64_t flat,
     int64_t b, int64_t r, int64_t l) {
-  const EncodedBlock e =
-      EncodeBlock(v, block_amax, has_nan, g, out, key0, key1, b, r, l);
+  const EncodedBlock e = EncodeBlock(v, block_amax, has_nan, g, out,
+                                     out.stochastic, key0, key1, b, r, l);
   StoreCodes(out.codes + flat / 2, e.packed, out.codes_aligned);
   out.scales[flat / kBlock] = e.scale;
 }
@@ -441,9 +444,9 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
                 block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, offset));
           }
         }
-        const EncodedBlock e =
-            EncodeBlock(v, block_amax, block_max.has_nan, g, out, key0, key1,
-                        pos.b, m, pos.k0 + kBlock * kb);
+        const EncodedBlock e = EncodeBlock(v, block_amax, block_max.has_nan, g,
+                                           out, out.stochastic, key0, key1,
+                                           pos.b, m, pos.k0 + kBlock * kb);
         smem.row_codes[r][RowCodeSlot(r, kb)] =
             make_uint2(static_cast<uint32_t>(e.packed),
                        static_cast<uint32_t>(e.packed >> 32));
@@ -467,9 +470,9 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
                 block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, offset));
           }
         }
-        const EncodedBlock e =
-            EncodeBlock(v, block_amax, block_max.has_nan, g, out, key0, key1,
-                        pos.b, pos.k0 + c, pos.m0 + 16 * warp);
+        const EncodedBlock e = EncodeBlock(
+            v, block_amax, block_max.has_nan, g, out, out.stochastic, key0,
+            key1, pos.b, pos.k0 + c, pos.m0 + 16 * warp);
         smem.col_codes[c][warp] =
             make_uint2(static_cast<uint32_t>(e.packed),
                        static_cast<uint32_t>(e.packed >> 32));
@@ -632,30 +635,12 @@ __device__ __forceinline__ int SliceWord(int r, int j) {
   return 8 * r + 2 * (j & 3) + (j >> 2);
 }
 
-// EncodeAndStore with the sign bits given (bit 4i + 3 for v[i]). The 8
-// code bytes go to `codes` (8-byte aligned), the scale byte to `scale`.
-template <bool kStochastic>
-__device__ __forceinline__ void EncodeAndStoreWithSigns(
-    const float (&v)[kBlock], uint64_t sign_bits, float block_amax,
-    bool has_nan, GlobalScale g, const OutputArgs& out, uint32_t key0,
-    uint32_t key1, uint8_t* codes, uint8_t* scale, int64_t b, int64_t r,
-    int64_t l) {
-  const BlockScaleE4M3 s = BlockScaleFast(block_amax, g);
-  const float multiplier = BlockEncodeMultiplier(s.value, g);
-  uint64_t packed;
-  if constexpr (kStochastic) {
-    const uint64_t w =
-        GlobalRandomIndex(out.origin, out.place, out.transposed, b, r, l) / 8;
-    packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/true,
-                               RandomBytes8(key0, key1, out.stream, w),
-                               RandomBytes8(key0, key1, out.stream, w + 1),
-                               /*below_seven=*/false, &sign_bits);
-  } else {
-    packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/false, 0,
-                               0, block_amax * multiplier < 7.0f, &sign_bits);
-  }
-  *reinterpret_cast<uint64_t*>(codes) = packed;  // little-endian bytes
-  *scale = s.byte;
+// Stores one encoded block: 8 code bytes at `codes` (8-byte aligned) and
+// the scale byte at `scale`.
+__device__ __forceinline__ void StoreBlock(const EncodedBlock& e,
+                                           uint8_t* codes, uint8_t* scale) {
+  *reinterpret_cast<uint64_t*>(codes) = e.packed;  // little-endian bytes
+  *scale = e.scale;
 }
 
 template <bool kRowStochastic, bool kColRht, bool kColStochastic, bool kTile16>
@@ -755,13 +740,12 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
             v[2 * j] = BitsToFloat(words[j] << 16);
             v[2 * j + 1] = BitsToFloat(words[j] & 0xFFFF0000u);
           }
-          const uint64_t signs =
-              SignNibbles8Bf16(words) |
-              (static_cast<uint64_t>(SignNibbles8Bf16(words + 4)) << 32);
+          const uint64_t signs = SignBits16Bf16(words);
           const BlockMax block_max = BlockAmaxBf16(words, v);
-          EncodeAndStoreWithSigns<kRowStochastic>(
-              v, signs, kTile16 ? tile_amax : block_max.amax, block_max.has_nan,
-              g, row_out, key0, key1, codes, scales, b, mh + r, k0);
+          StoreBlock(EncodeBlock(v, kTile16 ? tile_amax : block_max.amax,
+                                 block_max.has_nan, g, row_out, kRowStochastic,
+                                 key0, key1, b, mh + r, k0, &signs),
+                     codes, scales);
           codes += row_codes_stride;
           scales += row_scales_stride;
         }
@@ -805,22 +789,20 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
               RandomHadamard16Bf16Fast(v, y, packed);
 #pragma unroll
               for (int r = 0; r < kBlock; ++r) v[r] = y[r];
-              signs =
-                  SignNibbles8Bf16(packed) |
-                  (static_cast<uint64_t>(SignNibbles8Bf16(packed + 4)) << 32);
+              signs = SignBits16Bf16(packed);
               // From the bfloat16 words, as for the rows: with the float
               // values first needed by the encode, ptxas widens them once
               // (after the division) rather than twice.
               block_max = BlockAmaxBf16(packed, v);
             } else {
-              signs = SignNibbles8(v) |
-                      (static_cast<uint64_t>(SignNibbles8(v + 8)) << 32);
+              signs = SignBits16(v);
               block_max = BlockAmax(v);
             }
-            EncodeAndStoreWithSigns<kColStochastic>(
-                v, signs, kTile16 ? tile_amax : block_max.amax,
-                block_max.has_nan, g, col_out, key0, key1, col_codes,
-                col_scales, b, k0 + 2 * j + s, m0);
+            StoreBlock(
+                EncodeBlock(v, kTile16 ? tile_amax : block_max.amax,
+                            block_max.has_nan, g, col_out, kColStochastic, key0,
+                            key1, b, k0 + 2 * j + s, m0, &signs),
+                col_codes, col_scales);
             col_codes += col_codes_stride;
             col_scales += col_scales_stride;
           }
@@ -1317,10 +1299,10 @@ void LaunchPrivateTile(cudaStream_t stream, TileArgs args, Flags... flags) {
     args.k_tiles = (args.k + kPrivTileK - 1) / kPrivTileK;
     args.tiles = args.batch * args.m_tiles * args.k_tiles;
     if constexpr (PrivateTileOptionsValid(kOptions...)) {
-      const auto kernel = QuantizePrivateTileKernel<kOptions...>;
       const auto grid =
           static_cast<unsigned int>(std::min(args.tiles, kMaxGrid));
-      kernel<<<grid, kPrivThreads, 0, stream>>>(args);
+      QuantizePrivateTileKernel<kOptions...>
+          <<<grid, kPrivThreads, 0, stream>>>(args);
     }
   } else {
     [&](bool flag, auto... rest) {
