@@ -20,4 +20,8 @@ for shape in ${STEP_SHAPES:-8192x4096x14336}; do
   timeout 200 python3 benchmarks/step_profile.py --linear "$shape" --out "$OUT/step_$shape.json" >> "$OUT/step_profile.txt" 2>&1
   echo "step $shape rc=$?"
 done
+if [ -n "${GEMM_TRACE:-}" ]; then
+  timeout 120 python3 benchmarks/step_profile.py --gemm "$GEMM_TRACE" --out "$OUT/gemm_$GEMM_TRACE.json" >> "$OUT/step_profile.txt" 2>&1
+  echo "gemm trace $GEMM_TRACE rc=$?"
+fi
 cat "$OUT/step_profile.txt" | grep -v "^    .* x1 .*fusion" | head -150

@@ -1,7 +1,8 @@
 """Where one linear forward+backward step spends its time, kernel by kernel
 (there is no nsys on the device; ncu with a profiled range crashed there).
 
-    python benchmarks/step_profile.py [--linear 8192x4096x14336] [--out f.json]
+    python benchmarks/step_profile.py [--linear 8192x4096x14336] [--gemm 8192]
+                                      [--out f.json]
 
 Each step (linear_bench.linear_step: y = x @ w and its vjp with a random
 cotangent; bf16 jnp.dot, jax_nvfp4.dot with the full recipe) is compiled
@@ -68,11 +69,38 @@ def summarize(lines, top=25):
     return out
 
 
+def trace_gemm(s, out=None):
+    a, b = (
+        jax.random.normal(k, (s, s), jnp.bfloat16)
+        for k in jax.random.split(jax.random.key(0), 2)
+    )
+    qa, qb = nv.quantize(a), nv.quantize(b, 0, block="16x16")
+    result = {"gemm": s, "device": str(jax.devices()[0])}
+    for name, fn, args in (
+        ("bf16", jax.jit(jnp.dot), (a, b)),
+        ("nvfp4", jax.jit(nv.matmul), (qa, qb)),
+    ):
+        print(f"{name} GEMM {s}^3:")
+        result[name] = summarize(trace_events(fn, *args))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--linear", default="8192x4096x14336")
+    parser.add_argument(
+        "--gemm",
+        type=int,
+        help="trace the GEMM alone at S^3 (bf16 jnp.dot vs jax_nvfp4.matmul "
+        "from NVFP4 operands, as linear_bench's) instead of the linear step",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.gemm:
+        return trace_gemm(args.gemm, args.out)
     tokens, k, n = map(int, args.linear.split("x"))
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
