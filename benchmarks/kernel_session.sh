@@ -17,7 +17,7 @@ tests="${1:-tests/test_quantize.py;tests/test_cuda_gemm.py tests/test_gemm.py te
 SKIP_LINEAR_BENCH=1 bash benchmarks/gpu_session.sh "$tests" > "$OUT/session.txt" 2>&1
 echo "gpu_session rc=$?" >> "$OUT/session.txt"
 [ -n "${SKIP_FAST_NUMERICS:-}" ] || {
-  /usr/local/cuda/bin/nvcc -std=c++17 -O3 --fmad=false -arch=sm_90a -I ffi \
+  /usr/local/cuda/bin/nvcc -std=c++17 -O3 --fmad=false -ftz=true -arch=sm_90a -I ffi \
     benchmarks/fast_numerics_check.cu -o /tmp/fast_numerics_check &&
     timeout 120 /tmp/fast_numerics_check
   echo "fast_numerics_check rc=$?"

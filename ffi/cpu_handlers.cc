@@ -7,12 +7,51 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include "handler_common.h"
 #include "nvfp4_numerics.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {
 namespace {
+
+// Float32 subnormals flushed to zero, as inputs and results (FTZ and DAZ;
+// see nvfp4_numerics.h), for the lifetime of the object; the previous mode
+// is restored after. XLA runs its CPU computations in this mode already; the
+// handlers set it themselves so that their bytes do not depend on the
+// calling thread.
+class ScopedFlushSubnormals {
+ public:
+  ScopedFlushSubnormals() {
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ | kFlushToZero | kDenormalsAreZero);
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    asm volatile("mrs %0, fpcr" : "=r"(fpcr));
+    saved_ = fpcr;
+    asm volatile("msr fpcr, %0" : : "r"(fpcr | kFlushToZeroArm));
+#endif
+  }
+  ~ScopedFlushSubnormals() {
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+    _mm_setcsr(static_cast<unsigned int>(saved_));
+#elif defined(__aarch64__)
+    asm volatile("msr fpcr, %0" : : "r"(saved_));
+#endif
+  }
+  ScopedFlushSubnormals(const ScopedFlushSubnormals&) = delete;
+  ScopedFlushSubnormals& operator=(const ScopedFlushSubnormals&) = delete;
+
+ private:
+  static constexpr unsigned int kFlushToZero = 1u << 15;      // MXCSR.FTZ
+  static constexpr unsigned int kDenormalsAreZero = 1u << 6;  // MXCSR.DAZ
+  static constexpr uint64_t kFlushToZeroArm = 1ull << 24;     // FPCR.FZ
+  uint64_t saved_ = 0;
+};
 
 float LoadAsFloat(const void* data, ffi::DataType type, int64_t i) {
   switch (type) {
@@ -155,6 +194,7 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
                         bool stochastic, bool rht, int64_t stream,
                         int64_t global_m, int64_t global_k,
                         int64_t example_batch) {
+  const ScopedFlushSubnormals flush_subnormals;
   const QuantizeOptions options{tile_rows, stochastic, rht, stream};
   return QuantizeOutput(x, kTranspose, amax, key, origin,
                         GlobalPlace{global_m, global_k, example_batch}, options,
@@ -172,6 +212,7 @@ ffi::Error QuantizeRowsColsImpl(
     int64_t col_tile_rows, bool col_stochastic, bool col_rht,
     int64_t col_stream, int64_t global_m, int64_t global_k,
     int64_t example_batch) {
+  const ScopedFlushSubnormals flush_subnormals;
   const GlobalPlace place{global_m, global_k, example_batch};
   const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
                              row_stream};
@@ -190,6 +231,7 @@ ffi::Error QuantizeRowsColsImpl(
 // axis `rht_axis` (1: m, 2: k); NaN ignored.
 ffi::Error AmaxImpl(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
                     int64_t rht_axis) {
+  const ScopedFlushSubnormals flush_subnormals;
   if (!IsSupportedInputType(x.element_type())) {
     return InvalidArgument("input must be float32, bfloat16 or float16");
   }
@@ -235,6 +277,7 @@ void StoreFloat(ffi::AnyBuffer& out, int64_t flat, float value) {
 ffi::Error DequantizeImpl(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
                           ffi::Buffer<ffi::F32> amax,
                           ffi::Result<ffi::AnyBuffer> out) {
+  const ScopedFlushSubnormals flush_subnormals;
   const auto dims = out->dimensions();
   if (dims.size() != 3) return InvalidArgument("expected a rank-3 output");
   const int64_t batch = dims[0], rows = dims[1], len = dims[2];
@@ -280,6 +323,7 @@ ffi::Error MatmulImpl(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
                       ffi::Buffer<ffi::U8> b_codes, ffi::AnyBuffer b_scales,
                       ffi::Buffer<ffi::F32> b_amax,
                       ffi::Result<ffi::AnyBuffer> out) {
+  const ScopedFlushSubnormals flush_subnormals;
   const auto ad = a_codes.dimensions();
   const auto bd = b_codes.dimensions();
   const auto od = out->dimensions();

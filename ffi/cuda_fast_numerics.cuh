@@ -207,33 +207,16 @@ __device__ __forceinline__ uint64_t EncodeBlock16Fast(
 #endif
 }
 
-// RandomHadamard16 with the bfloat16 rounding in hardware (see above).
-__device__ __forceinline__ void RandomHadamard16Fast(const float (&x)[kBlock],
-                                                     float (&y)[kBlock]) {
-#if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
-  RandomHadamard16(x, y);
-#else
-  float z[kBlock];
-  HadamardButterfly16(x, z);
-  // RoundToBfloat16 of each result, two per instruction.
-#pragma unroll
-  for (int i = 0; i < kBlock; i += 2) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(z[i], z[i + 1]);
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(&b);
-    y[i] = BitsToFloat(w << 16);
-    y[i + 1] = BitsToFloat(w & 0xFFFF0000u);
-  }
-#endif
-}
-
-// RandomHadamard16Fast of bfloat16 values x (each x_i * 1/4 exact: no
-// float32 underflow), its first butterfly stage folded into the scaling:
-// z_i = x_i * s_i / 4 is exact, so fma(x_{i+1}, +-s_{i+1} / 4, z_i) rounds
-// the very sum z_i + z_{i+1} (and difference) of HadamardButterfly16 -- one
-// multiply and two FMAs per pair instead of two multiplies and two
-// additions. `packed` gets the bfloat16 results, y[2j] in the low half of
-// packed[j].
-__device__ __forceinline__ void RandomHadamard16Bf16Fast(
+// RandomHadamard16 with the bfloat16 rounding in hardware (see above), the
+// results also packed: `packed[j]` holds y[2j] in its low half and y[2j + 1]
+// in its high half (the words BlockAmaxBf16 and the sign gathering read).
+//
+// The first butterfly stage is not folded into the 1/4 scaling as
+// fma(x_{i+1}, +-s/4, z_i) (8 instructions less per block): with subnormals
+// flushed (-ftz=true, see nvfp4_numerics.h) the header's z_{i+1} =
+// x_{i+1} * s / 4 is zero when |x_{i+1}| < 2^-124, while the FMA's product
+// is not flushed, so the sums differ for tiny values.
+__device__ __forceinline__ void RandomHadamard16FastPacked(
     const float (&x)[kBlock], float (&y)[kBlock],
     uint32_t (&packed)[kBlock / 2]) {
 #if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
@@ -245,15 +228,8 @@ __device__ __forceinline__ void RandomHadamard16Bf16Fast(
   }
 #else
   float z[kBlock];
-#pragma unroll
-  for (int i = 0; i < kBlock; i += 2) {
-    const float si = ((kRhtSignMask >> i) & 1u) ? -0.25f : 0.25f;
-    const float sn = ((kRhtSignMask >> (i + 1)) & 1u) ? -0.25f : 0.25f;
-    const float zi = x[i] * si;  // exact
-    z[i] = __fmaf_rn(x[i + 1], sn, zi);
-    z[i + 1] = __fmaf_rn(x[i + 1], -sn, zi);
-  }
-  ButterflyStages<2>(z);  // the header's remaining stages
+  HadamardButterfly16(x, z);
+  // RoundToBfloat16 of each result, two per instruction.
 #pragma unroll
   for (int i = 0; i < kBlock; i += 2) {
     const __nv_bfloat162 b = __floats2bfloat162_rn(z[i], z[i + 1]);
@@ -263,6 +239,12 @@ __device__ __forceinline__ void RandomHadamard16Bf16Fast(
     y[i + 1] = BitsToFloat(w & 0xFFFF0000u);
   }
 #endif
+}
+
+__device__ __forceinline__ void RandomHadamard16Fast(const float (&x)[kBlock],
+                                                     float (&y)[kBlock]) {
+  uint32_t unused[kBlock / 2];
+  RandomHadamard16FastPacked(x, y, unused);
 }
 
 // ---------------------------------------------------------------------------

@@ -786,7 +786,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
             if constexpr (kColRht) {
               float y[kBlock];
               uint32_t packed[kBlock / 2];
-              RandomHadamard16Bf16Fast(v, y, packed);
+              RandomHadamard16FastPacked(v, y, packed);
 #pragma unroll
               for (int r = 0; r < kBlock; ++r) v[r] = y[r];
               signs = SignBits16Bf16(packed);

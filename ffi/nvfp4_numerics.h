@@ -3,7 +3,13 @@
 // Every function here is used unchanged by the CPU handlers and the CUDA
 // kernels; the pure-JAX reference (jax_nvfp4/reference.py) follows the same
 // steps line for line. All arithmetic is IEEE float32 (build without
-// fast-math and without FMA contraction), in the order written.
+// fast-math and without FMA contraction), in the order written, except that
+// float32 subnormals are flushed to zero with their sign, as inputs and as
+// results of every operation (FTZ and DAZ): XLA runs CPU computations in that
+// mode, so the pure-JAX twin cannot do otherwise there; the CPU handlers set
+// it themselves (cpu_handlers.cc) and the CUDA kernels are built with
+// -ftz=true. Only magnitudes below 2^-126 (~1.2e-38) are affected: every
+// bfloat16 subnormal input quantizes as a (signed) zero.
 //
 // The normative spec is "Numerics" in DESIGN.md (NVIDIA Transformer Engine's
 // NVFP4BlockScaling recipe). Documented edge cases, identical on every backend:
@@ -242,15 +248,14 @@ NVFP4_HD float RoundToBfloat16(float f) {
   return BitsToFloat(bits);
 }
 
-// Stages h = kFirst, 2 kFirst, ..., 8 of the radix-2 fast Walsh-Hadamard
-// butterfly on z, in place: each replaces the pair (z_i, z_{i+h}), i & h ==
-// 0, by (z_i + z_{i+h}, z_i - z_{i+h}).
-template <int kFirst>
+// Stages h = 1, 2, 4, 8 of the radix-2 fast Walsh-Hadamard butterfly on z,
+// in place: each replaces the pair (z_i, z_{i+h}), i & h == 0, by
+// (z_i + z_{i+h}, z_i - z_{i+h}).
 NVFP4_HD void ButterflyStages(float z[kBlock]) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int h = kFirst; h < kBlock; h <<= 1) {
+  for (int h = 1; h < kBlock; h <<= 1) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
@@ -274,7 +279,7 @@ NVFP4_HD void HadamardButterfly16(const float x[kBlock], float z[kBlock]) {
   for (int j = 0; j < kBlock; ++j) {
     z[j] = x[j] * (((kRhtSignMask >> j) & 1u) ? -0.25f : 0.25f);
   }
-  ButterflyStages<1>(z);
+  ButterflyStages(z);
 }
 
 // y = bf16(x16 * R): the butterfly, each result rounded to bfloat16.

@@ -54,9 +54,14 @@ def _float(bits):
 
 
 def abs_max(x: jax.Array) -> jax.Array:
-    """max |x| over all elements, NaN ignored (fmaxf semantics), float32."""
+    """max |x| over all elements, NaN ignored (fmaxf semantics), float32.
+
+    Float32 subnormals count as zero, as in all of this package's arithmetic
+    (flushed; ``ffi/nvfp4_numerics.h``): XLA flushes them on CPU, and the
+    explicit test makes the amax the same where XLA keeps them (GPU)."""
     a = jnp.abs(x.astype(jnp.float32))
-    return jnp.max(jnp.where(jnp.isnan(a), _F32(0), a), initial=_F32(0))
+    ignored = jnp.isnan(a) | (a < _F32(np.finfo(np.float32).tiny))
+    return jnp.max(jnp.where(ignored, _F32(0), a), initial=_F32(0))
 
 
 def divide(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -139,6 +139,58 @@ def _edge_blocks(x):
     return x.at[..., 80:96, 96:112].set(1e-30)
 
 
+def _flush_subnormals(x):
+    """x with every float32-subnormal element replaced by a zero of its sign
+    (bitwise, whatever the device's float mode)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    exponent, magnitude, sign = (
+        jnp.uint32(m) for m in (0x7F800000, 0x7FFFFFFF, 0x80000000)
+    )
+    subnormal = ((bits & exponent) == 0) & ((bits & magnitude) != 0)
+    flushed = jax.lax.bitcast_convert_type(bits & sign, jnp.float32)
+    return jnp.where(subnormal, flushed, x.astype(jnp.float32)).astype(x.dtype)
+
+
+@pytest.mark.parametrize("scale", ["normal", "tiny"])
+@pytest.mark.parametrize("block", ["1x16", "16x16"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_subnormal_inputs_quantize_as_signed_zeros(scale, block, rounding):
+    """The documented behaviour (nvfp4_numerics.h): float32 subnormals -- here
+    bfloat16 subnormals of both signs, in blocks of their own and next to
+    normal values -- are flushed to zero with their sign, on every backend:
+    the fused quantize (rows; columns with RHT) of x equals that of x with
+    them zeroed, and the pure-JAX reference on the CPU. "tiny": the whole
+    tensor below 2^-100, so that S_enc saturates at FLT_MAX and S_dec = 1 /
+    FLT_MAX is itself subnormal."""
+    x = outlier_data(17, (64, 96), jnp.bfloat16)
+    if scale == "tiny":
+        x = (x.astype(jnp.float32) * 2.0**-118).astype(jnp.bfloat16)
+    bits = jnp.arange(32 * 32, dtype=jnp.uint16).reshape(32, 32)
+    bits = (bits % 127 + 1) | ((bits % 3 == 0).astype(jnp.uint16) << 15)
+    tiny = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    x = x.at[16:48, 32:64].set(tiny)  # whole 16x16 tiles of subnormals
+    x = x.at[0:16:3, 0:96:5].set(tiny[0:6, 0:20])  # mixed into normal blocks
+    flushed = _flush_subnormals(x)
+    assert not np.array_equal(  # the test data does hold subnormals
+        np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint16)),
+        np.asarray(jax.lax.bitcast_convert_type(flushed, jnp.uint16)),
+    )
+    kwargs = dict(
+        row_rounding=rounding,
+        col_rounding=rounding,
+        col_rht=True,
+        row_block=block,
+        col_block=block,
+    )
+    key = jax.random.key(2)
+    rows, cols = fused_matches_reference(x, key, **kwargs)
+    zero_rows, zero_cols = fused_matches_reference(flushed, key, **kwargs)
+    assert_same_bytes(rows, zero_rows)
+    assert_same_bytes(cols, zero_cols)
+    if scale == "tiny":
+        assert float(rows.amax) < 2.0**-100
+
+
 @pytest.mark.parametrize("row_rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("col_rht", [False, True])
 @pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
