@@ -43,7 +43,9 @@ def trace_events(fn, *args):
         if "host" in plane.name.lower():
             continue
         for line in plane.lines:
-            events = [(e.name, float(e.duration_ns)) for e in line.events]
+            events = [
+                (e.name, float(e.duration_ns), float(e.start_ns)) for e in line.events
+            ]
             if events:
                 lines[f"{plane.name} | {line.name}"] = events
     return lines
@@ -53,17 +55,24 @@ def summarize(lines, top=25):
     out = {}
     for line, events in lines.items():
         by_name = collections.defaultdict(lambda: [0, 0.0])
-        for name, ns in events:
+        for name, ns, _ in events:
             by_name[name][0] += 1
             by_name[name][1] += ns
-        total = sum(ns for _, ns in events)
+        total = sum(ns for _, ns, _ in events)
+        # First start to last end: the busy time plus the idle gaps between
+        # kernels (launch latency, host work of custom calls).
+        span = max(t + ns for _, ns, t in events) - min(t for _, _, t in events)
         ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
         out[line] = {
             "total_us": total / 1e3,
+            "span_us": span / 1e3,
             "events": len(events),
             "by_name_us": [(n, c, ns / 1e3) for n, (c, ns) in ranked],
         }
-        print(f"  {line}: {len(events)} events, {total / 1e3:,.1f} us")
+        print(
+            f"  {line}: {len(events)} events, {total / 1e3:,.1f} us busy, "
+            f"{span / 1e3:,.1f} us first start to last end"
+        )
         for name, (count, ns) in ranked[:top]:
             print(f"    {ns / 1e3:10,.1f} us  x{count:<3} {name[:100]}")
     return out
