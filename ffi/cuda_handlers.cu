@@ -166,6 +166,9 @@ struct OutputArgs {
   bool stochastic;
   bool rht;
   bool codes_aligned;  // codes is 8-byte aligned: one 8-byte store per block
+  // `codes` holds bfloat16 e2m1(code) * scale [batch, rows, len] instead of
+  // the codes (QuantizePrivateTileKernel only; 16-byte aligned).
+  bool decoded;
   // Stochastic-rounding index of element (b, r, l): its flat index in the
   // whole (possibly sharded) tensor; see GlobalRandomIndex.
   const int32_t* origin;  // device int32[3]
@@ -188,11 +191,12 @@ __device__ __forceinline__ void MaybeRht(bool rht, float (&v)[kBlock]) {
   }
 }
 
-// One quantized 16-element block: its 8 code bytes (little-endian) and its
-// E4M3 scale byte.
+// One quantized 16-element block: its 8 code bytes (little-endian), its
+// E4M3 scale byte and that scale's value.
 struct EncodedBlock {
   uint64_t packed;
   uint8_t scale;
+  float scale_value;
 };
 
 // Quantizes one 16-element block (already transformed) whose scale comes
@@ -219,7 +223,7 @@ __device__ __forceinline__ EncodedBlock EncodeBlock(
     packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/false, 0,
                                0, block_amax * multiplier < 7.0f, sign_bits);
   }
-  return {packed, scale.byte};
+  return {packed, scale.byte, scale.value};
 }
 
 // Stores 8 code bytes at `codes` (a multiple of 8 bytes into the output).
@@ -577,6 +581,70 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
 }
 
 // ---------------------------------------------------------------------------
+// Decoding to bfloat16: e2m1(code) * E4M3 block scale, exact (2 + 4
+// significant bits; 2^-10 .. 2688), without the amax -- the operands of the
+// Hopper GEMM (jax_nvfp4/cuda_gemm.py), as its pure-JAX twin decode_bf16.
+// ---------------------------------------------------------------------------
+// Low and high bytes of the bfloat16 bits of 0, 0.5, 1, 1.5 | 2, 3, 4, 6:
+// 0x0000 0x3F00 0x3F80 0x3FC0 | 0x4000 0x4040 0x4080 0x40C0.
+constexpr uint32_t kE2M1LowBytes03 = 0xC0800000u;
+constexpr uint32_t kE2M1LowBytes47 = 0xC0804000u;
+constexpr uint32_t kE2M1HighBytes03 = 0x3F3F3F00u;
+constexpr uint32_t kE2M1HighBytes47 = 0x40404040u;
+
+// prmt.b32 in its default mode, where a selector nibble with bit 3 set
+// gives the sign (bit 7) of the byte it selects, replicated over the byte.
+__device__ __forceinline__ uint32_t PermuteBytes(uint32_t a, uint32_t b,
+                                                 uint32_t selector) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+  return r;
+}
+
+// A scale's bfloat16 bits in both halves of a word: the top half of its
+// float32 (exact: E4M3 values have 4 significant bits).
+__device__ __forceinline__ uint32_t ScaleBf16Pair(float scale) {
+  return __byte_perm(FloatBits(scale), 0u, 0x3232u);
+}
+
+// The 8 elements of a code word (element j in nibble j) as bfloat16
+// e2m1 * scale, elements 2i and 2i + 1 in the low and high half of word i.
+// The magnitudes' bytes come from the two byte tables (a nibble 0..7 selects
+// one of 8 bytes); the signs by sign-replicating byte selection: byte k of
+// `codes` holds element 2k + 1's sign in its bit 7 and, shifted left by 4,
+// element 2k's. One bf16x2 multiply per two elements applies the scale.
+__device__ __forceinline__ uint4 DecodeCodes8Bf16(uint32_t codes,
+                                                  uint32_t scale_pair) {
+  const uint32_t index = codes & 0x77777777u;  // magnitude nibbles
+  const uint32_t lo03 = __byte_perm(kE2M1LowBytes03, kE2M1LowBytes47, index);
+  const uint32_t hi03 = __byte_perm(kE2M1HighBytes03, kE2M1HighBytes47, index);
+  const uint32_t lo47 =
+      __byte_perm(kE2M1LowBytes03, kE2M1LowBytes47, index >> 16);
+  const uint32_t hi47 =
+      __byte_perm(kE2M1HighBytes03, kE2M1HighBytes47, index >> 16);
+  // Byte j: 0xFF where element j (of 0..3, resp. 4..7) is negative.
+  const uint32_t shifted = codes << 4;
+  const uint32_t negative03 = PermuteBytes(shifted, codes, 0xD9C8u);
+  const uint32_t negative47 = PermuteBytes(shifted, codes, 0xFBEAu);
+  const uint32_t signed03 = hi03 | (negative03 & 0x80808080u);
+  const uint32_t signed47 = hi47 | (negative47 & 0x80808080u);
+  uint32_t w[4] = {__byte_perm(lo03, signed03, 0x5140u),
+                   __byte_perm(lo03, signed03, 0x7362u),
+                   __byte_perm(lo47, signed47, 0x5140u),
+                   __byte_perm(lo47, signed47, 0x7362u)};
+  __nv_bfloat162 scale2;
+  memcpy(&scale2, &scale_pair, sizeof scale2);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 v;
+    memcpy(&v, &w[i], sizeof v);
+    v = __hmul2(v, scale2);
+    memcpy(&w[i], &v, sizeof v);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// ---------------------------------------------------------------------------
 // QuantizePrivateTileKernel: the fused row-wise + column-wise quantize of a
 // bfloat16 x with 1x16 blocks both ways (the recipe's X and dY) or 16x16
 // blocks both ways (its 2D weights; not with column RHT), no RHT on the
@@ -635,11 +703,20 @@ __device__ __forceinline__ int SliceWord(int r, int j) {
   return 8 * r + 2 * (j & 3) + (j >> 2);
 }
 
-// Stores one encoded block: 8 code bytes at `codes` (8-byte aligned) and
-// the scale byte at `scale`.
-__device__ __forceinline__ void StoreBlock(const EncodedBlock& e,
+// Stores one encoded block: 8 code bytes at `codes` (8-byte aligned), or,
+// `decoded`, its 16 bfloat16 values there (16-byte aligned); and the scale
+// byte at `scale`.
+__device__ __forceinline__ void StoreBlock(const EncodedBlock& e, bool decoded,
                                            uint8_t* codes, uint8_t* scale) {
-  *reinterpret_cast<uint64_t*>(codes) = e.packed;  // little-endian bytes
+  if (decoded) {
+    const uint32_t scale_pair = ScaleBf16Pair(e.scale_value);
+    uint4* values = reinterpret_cast<uint4*>(codes);
+    values[0] = DecodeCodes8Bf16(static_cast<uint32_t>(e.packed), scale_pair);
+    values[1] =
+        DecodeCodes8Bf16(static_cast<uint32_t>(e.packed >> 32), scale_pair);
+  } else {
+    *reinterpret_cast<uint64_t*>(codes) = e.packed;  // little-endian bytes
+  }
   *scale = e.scale;
 }
 
@@ -661,10 +738,14 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
   // (the kernel arguments hold the same values).
   const OutputArgs& row_out = args.row;
   const OutputArgs& col_out = args.col;
-  // Output strides in bytes: code and scale rows of each output.
-  const uint64_t row_codes_stride = static_cast<uint64_t>(args.k) / 2;
+  // Output strides in bytes: code (or decoded value) and scale rows of each
+  // output; the offset in bytes of element f's code (or value).
+  const auto code_bytes = [](const OutputArgs& out, uint64_t f) {
+    return out.decoded ? 2 * f : f / 2;
+  };
+  const uint64_t row_codes_stride = code_bytes(row_out, args.k);
   const uint64_t row_scales_stride = static_cast<uint64_t>(args.k) / kBlock;
-  const uint64_t col_codes_stride = static_cast<uint64_t>(args.m) / 2;
+  const uint64_t col_codes_stride = code_bytes(col_out, args.m);
   const uint64_t col_scales_stride = static_cast<uint64_t>(args.m) / kBlock;
   for (int64_t tile = blockIdx.x; tile < args.tiles; tile += gridDim.x) {
     const int64_t rest = Div(tile, args.k_tiles);
@@ -728,7 +809,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
         const GlobalScale g = GlobalScaleOf(row_out, b);
         const int64_t mh = m0 + kHalfRows * h;
         const int64_t flat0 = (b * args.m + mh) * args.k + k0;
-        uint8_t* codes = row_out.codes + flat0 / 2;
+        uint8_t* codes = row_out.codes + code_bytes(row_out, flat0);
         uint8_t* scales = row_out.scales + flat0 / kBlock;
 #pragma unroll 1  // short code: see the column loop
         for (int r = 0; r < kHalfRows; ++r) {
@@ -745,7 +826,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
           StoreBlock(EncodeBlock(v, kTile16 ? tile_amax : block_max.amax,
                                  block_max.has_nan, g, row_out, kRowStochastic,
                                  key0, key1, b, mh + r, k0, &signs),
-                     codes, scales);
+                     row_out.decoded, codes, scales);
           codes += row_codes_stride;
           scales += row_scales_stride;
         }
@@ -753,7 +834,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
       {  // Columns 8h + 2p, 8h + 2p + 1 along m: output (b, k0 + c, m0).
         const GlobalScale g = GlobalScaleOf(col_out, b);
         const int64_t flat0 = (b * args.k + k0) * args.m + m0;
-        uint8_t* const codes = col_out.codes + flat0 / 2;
+        uint8_t* const codes = col_out.codes + code_bytes(col_out, flat0);
         uint8_t* const scales = col_out.scales + flat0 / kBlock;
 #pragma unroll 1
         for (int p = 0; p < 4; ++p) {
@@ -802,7 +883,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
                 EncodeBlock(v, kTile16 ? tile_amax : block_max.amax,
                             block_max.has_nan, g, col_out, kColStochastic, key0,
                             key1, b, k0 + 2 * j + s, m0, &signs),
-                col_codes, col_scales);
+                col_out.decoded, col_codes, col_scales);
             col_codes += col_codes_stride;
             col_scales += col_scales_stride;
           }
@@ -981,53 +1062,13 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const AmaxArgs args) {
 // in bfloat16 (2 + 4 significant bits; 2^-10 .. 2688). Lane q takes the 8
 // elements of 4 code bytes (half a block): its 16-byte store lies next to
 // its neighbours', so a warp writes 512 contiguous bytes; kDecodeUnroll
-// such groups per lane are loaded before any is decoded.
-//
-// The E2M1 magnitudes' bfloat16 bits come from two byte tables by byte
-// permutes (a nibble 0..7 selects one of 8 bytes), the sign bits are OR-ed
-// in, and one bf16x2 multiply per two elements applies the scale.
+// such groups per lane are loaded before any is decoded (DecodeCodes8Bf16).
 // ---------------------------------------------------------------------------
 constexpr int kDecodeUnroll = 4;
-// Low and high bytes of the bfloat16 bits of 0, 0.5, 1, 1.5 | 2, 3, 4, 6:
-// 0x0000 0x3F00 0x3F80 0x3FC0 | 0x4000 0x4040 0x4080 0x40C0.
-constexpr uint32_t kE2M1LowBytes03 = 0xC0800000u;
-constexpr uint32_t kE2M1LowBytes47 = 0xC0804000u;
-constexpr uint32_t kE2M1HighBytes03 = 0x3F3F3F00u;
-constexpr uint32_t kE2M1HighBytes47 = 0x40404040u;
 
 __device__ __forceinline__ uint4 DecodeHalfBlockBf16(uint32_t codes,
                                                      uint8_t scale_byte) {
-  const uint32_t index = codes & 0x77777777u;  // magnitude nibbles
-  const uint32_t sign = codes & 0x88888888u;   // element j's at bit 4j + 3
-  // Bytes of elements 0..3 (from the low 4 nibbles) and 4..7.
-  const uint32_t lo03 = __byte_perm(kE2M1LowBytes03, kE2M1LowBytes47, index);
-  const uint32_t hi03 = __byte_perm(kE2M1HighBytes03, kE2M1HighBytes47, index);
-  const uint32_t lo47 =
-      __byte_perm(kE2M1LowBytes03, kE2M1LowBytes47, index >> 16);
-  const uint32_t hi47 =
-      __byte_perm(kE2M1HighBytes03, kE2M1HighBytes47, index >> 16);
-  // Word i: elements 2i (low half) and 2i + 1, each sign to bit 15 or 31.
-  uint32_t w[4];
-  w[0] = __byte_perm(lo03, hi03, 0x5140) | ((sign << 12) & 0x8000u) |
-         ((sign << 24) & 0x80000000u);
-  w[1] = __byte_perm(lo03, hi03, 0x7362) | ((sign << 4) & 0x8000u) |
-         ((sign << 16) & 0x80000000u);
-  w[2] = __byte_perm(lo47, hi47, 0x5140) | ((sign >> 4) & 0x8000u) |
-         ((sign << 8) & 0x80000000u);
-  w[3] = __byte_perm(lo47, hi47, 0x7362) | ((sign >> 12) & 0x8000u) |
-         (sign & 0x80000000u);
-  // The scale's bfloat16 bits: the top half of its float32 (exact; NaN for
-  // E4M3's NaN bytes).
-  const __nv_bfloat162 scale2 = __bfloat162bfloat162(__ushort_as_bfloat16(
-      static_cast<unsigned short>(FloatBits(E4M3Decode(scale_byte)) >> 16)));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __nv_bfloat162 v;
-    memcpy(&v, &w[i], sizeof v);
-    v = __hmul2(v, scale2);
-    memcpy(&w[i], &v, sizeof v);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  return DecodeCodes8Bf16(codes, ScaleBf16Pair(E4M3Decode(scale_byte)));
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -1254,6 +1295,7 @@ OutputArgs MakeOutputArgs(const MatrixDims& d,
   o.stochastic = options.stochastic;
   o.rht = options.rht;
   o.codes_aligned = IsAligned(o.codes, 8);
+  o.decoded = false;
   o.origin = origin.typed_data();
   o.place = place;
   o.transposed = transposed;
@@ -1460,6 +1502,98 @@ ffi::Error QuantizeRowsColsCuda(
                                                     args);
 }
 
+// The output of one side of QuantizeRowsColsDecodedCuda: the codes, or
+// their bfloat16 values when `decoded`, and the scales.
+ffi::Error CheckDecodableOutput(int64_t batch, int64_t rows, int64_t len,
+                                bool decoded,
+                                ffi::Result<ffi::AnyBuffer>& values,
+                                ffi::Result<ffi::AnyBuffer>& scales) {
+  const int64_t n = batch * rows * len;
+  if (values->element_type() !=
+          (decoded ? ffi::DataType::BF16 : ffi::DataType::U8) ||
+      static_cast<int64_t>(values->element_count()) != (decoded ? n : n / 2) ||
+      scales->element_type() != ffi::DataType::F8E4M3FN ||
+      static_cast<int64_t>(scales->element_count()) != n / kBlock) {
+    return InvalidArgument(
+        "outputs must be bfloat16 values [b, rows, len] (decoded) or uint8 "
+        "codes [b, rows, len/2], and float8_e4m3fn scales [b, rows, len/16]");
+  }
+  if (decoded && !IsAligned(values->untyped_data(), 16)) {
+    return InvalidArgument("decoded outputs must be 16-byte aligned");
+  }
+  return ffi::Error::Success();
+}
+
+// QuantizeRowsColsCuda with either output (`row_decoded`, `col_decoded`)
+// written as the bfloat16 operand of the Hopper GEMM, e2m1(code) * scale,
+// instead of its codes: the same values the GEMM's decode (DecodeBf16Kernel)
+// would make of them, without the codes' round trip through memory. Only
+// where QuantizePrivateTileKernel applies.
+ffi::Error QuantizeRowsColsDecodedCuda(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
+    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
+    ffi::Buffer<ffi::S32> origin, ffi::Result<ffi::AnyBuffer> row_values,
+    ffi::Result<ffi::AnyBuffer> row_scales,
+    ffi::Result<ffi::AnyBuffer> col_values,
+    ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
+    bool row_stochastic, bool row_rht, int64_t row_stream, bool row_decoded,
+    int64_t col_tile_rows, bool col_stochastic, bool col_rht,
+    int64_t col_stream, bool col_decoded, int64_t global_m, int64_t global_k,
+    int64_t example_batch) {
+  const GlobalPlace place{global_m, global_k, example_batch};
+  const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
+                             row_stream};
+  const QuantizeOptions cols{col_tile_rows, col_stochastic, col_rht,
+                             col_stream};
+  if (!IsSupportedInputType(x.element_type())) {
+    return InvalidArgument("input must be float32, bfloat16 or float16");
+  }
+  MatrixDims d;
+  if (!Rank3Dims(x, &d)) return InvalidArgument("expected a rank-3 input");
+  for (auto e : {CheckQuantizeOperands(d.batch, d.m, d.k, rows, row_amax, key),
+                 CheckQuantizeOperands(d.batch, d.k, d.m, cols, col_amax, key),
+                 CheckDecodableOutput(d.batch, d.m, d.k, row_decoded,
+                                      row_values, row_scales),
+                 CheckDecodableOutput(d.batch, d.k, d.m, col_decoded,
+                                      col_values, col_scales),
+                 CheckPlace(d, origin, place)}) {
+    if (e.failure()) return e;
+  }
+  TileArgs args = MakeTileArgs(x, d, key);
+  if (args.tiles == 0) return ffi::Error::Success();
+  auto output = [&](const ffi::Buffer<ffi::F32>& amax, bool transposed,
+                    const QuantizeOptions& options, bool decoded,
+                    ffi::Result<ffi::AnyBuffer>& values,
+                    ffi::Result<ffi::AnyBuffer>& scales) {
+    OutputArgs o;
+    o.codes = static_cast<uint8_t*>(values->untyped_data());
+    o.scales = static_cast<uint8_t*>(scales->untyped_data());
+    o.amax = amax.typed_data();
+    o.batch_per_amax = d.batch / static_cast<int64_t>(amax.element_count());
+    o.stream = static_cast<uint32_t>(options.stream);
+    o.tile16 = options.tile_rows == 16;
+    o.stochastic = options.stochastic;
+    o.rht = options.rht;
+    o.codes_aligned = IsAligned(o.codes, decoded ? 16 : 8);
+    o.decoded = decoded;
+    o.origin = origin.typed_data();
+    o.place = place;
+    o.transposed = transposed;
+    return o;
+  };
+  args.row = output(row_amax, false, rows, row_decoded, row_values, row_scales);
+  args.col = output(col_amax, true, cols, col_decoded, col_values, col_scales);
+  if (!PrivateTileApplies(x.element_type(), args)) {
+    return InvalidArgument(
+        "decoded outputs need a bfloat16 x, 16-byte aligned, with m and k "
+        "multiples of 16, no RHT on the rows and the same block shape both "
+        "ways (16x16 only without column RHT); quantize and decode instead");
+  }
+  LaunchPrivateTile(stream, args, args.row.stochastic, args.col.rht,
+                    args.col.stochastic, args.col.tile16);
+  return LaunchError("quantize");
+}
+
 ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x,
                     ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t rht_axis) {
   if (!IsSupportedInputType(x.element_type())) {
@@ -1657,6 +1791,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("col_stochastic")
         .Attr<bool>("col_rht")
         .Attr<int64_t>("col_stream")
+        .Attr<int64_t>("global_m")
+        .Attr<int64_t>("global_k")
+        .Attr<int64_t>("example_batch"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4QuantizeRowsColsDecodedCuda, jax_nvfp4::QuantizeRowsColsDecodedCuda,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // CUDA stream
+        .Arg<ffi::AnyBuffer>()                     // x [b, m, k]
+        .Arg<ffi::Buffer<ffi::F32>>()              // row amax
+        .Arg<ffi::Buffer<ffi::F32>>()              // col amax
+        .Arg<ffi::Buffer<ffi::U32>>()              // key [n, 2]
+        .Arg<ffi::Buffer<ffi::S32>>()              // origin [3]
+        .Ret<ffi::AnyBuffer>()  // row codes, or bf16 values [b, m, k]
+        .Ret<ffi::AnyBuffer>()  // row scales
+        .Ret<ffi::AnyBuffer>()  // col codes, or bf16 values [b, k, m]
+        .Ret<ffi::AnyBuffer>()  // col scales
+        .Attr<int64_t>("row_tile_rows")
+        .Attr<bool>("row_stochastic")
+        .Attr<bool>("row_rht")
+        .Attr<int64_t>("row_stream")
+        .Attr<bool>("row_decoded")
+        .Attr<int64_t>("col_tile_rows")
+        .Attr<bool>("col_stochastic")
+        .Attr<bool>("col_rht")
+        .Attr<int64_t>("col_stream")
+        .Attr<bool>("col_decoded")
         .Attr<int64_t>("global_m")
         .Attr<int64_t>("global_k")
         .Attr<int64_t>("example_batch"),

@@ -23,6 +23,7 @@ XLA_FFI_Error* JaxNvfp4MatmulCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4QuantizeRowsCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4QuantizeColsCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4QuantizeRowsColsCuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxNvfp4QuantizeRowsColsDecodedCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4AmaxCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4DequantizeCuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4DecodeBf16Cuda(XLA_FFI_CallFrame*);
@@ -139,6 +140,8 @@ NB_MODULE(_ffi, m) {
     d["jax_nvfp4_quantize_rows"] = Capsule(JaxNvfp4QuantizeRowsCuda);
     d["jax_nvfp4_quantize_cols"] = Capsule(JaxNvfp4QuantizeColsCuda);
     d["jax_nvfp4_quantize_rows_cols"] = Capsule(JaxNvfp4QuantizeRowsColsCuda);
+    d["jax_nvfp4_quantize_rows_cols_decoded"] =
+        Capsule(JaxNvfp4QuantizeRowsColsDecodedCuda);
     d["jax_nvfp4_amax"] = Capsule(JaxNvfp4AmaxCuda);
     d["jax_nvfp4_dequantize"] = Capsule(JaxNvfp4DequantizeCuda);
     d["jax_nvfp4_decode_bf16"] = Capsule(JaxNvfp4DecodeBf16Cuda);

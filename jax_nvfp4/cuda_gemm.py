@@ -179,6 +179,8 @@ def matmul_bf16(
     *,
     dtype: Any,
     decode_handler: bool = False,
+    a_decoded: bool = False,
+    b_decoded: bool = False,
 ) -> jax.Array:
     """The matmul primitive on the cuBLASLt bf16 GEMM: out [batch, M, N].
 
@@ -190,19 +192,24 @@ def matmul_bf16(
     run, with a message). decode_handler: decode the operands with the CUDA
     handler (``decode_bf16_cuda``; ``matmul_cuda`` sets it when the handler is
     built) instead of XLA's fusion of ``decode_bf16`` -- same values.
+    a_decoded / b_decoded: that operand's codes are already its bfloat16
+    values [batch, rows, K] (the fused quantize's decoded output).
     """
     dtype = np.dtype(dtype)
     if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
         raise TypeError(f"dtype must be bfloat16 or float32, got {dtype}")
-    blackwell._check_operands(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax)
-    batch, m, half = a_codes.shape
-    n = b_codes.shape[1]
-    if batch == 0 or m == 0 or n == 0 or half == 0:
-        return jnp.zeros((batch, m, n), dtype)  # nothing to multiply
+    if not (a_decoded or b_decoded):  # (decoded operands: checked by matmul)
+        blackwell._check_operands(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax)
     decode = decode_bf16_cuda if decode_handler else decode_bf16
+    a = a_codes if a_decoded else decode(a_codes, a_scales)
+    b = b_codes if b_decoded else decode(b_codes, b_scales)
+    batch, m, k = a.shape
+    n = b.shape[1]
+    if batch == 0 or m == 0 or n == 0 or k == 0:
+        return jnp.zeros((batch, m, n), dtype)  # nothing to multiply
     return _call_handler(
-        decode(a_codes, a_scales),
-        decode(b_codes, b_scales),
+        a,
+        b,
         jnp.asarray(a_amax, jnp.float32).reshape(-1),
         jnp.asarray(b_amax, jnp.float32).reshape(-1),
         dtype,
@@ -218,18 +225,22 @@ def matmul_cuda(
     b_amax: jax.Array,
     *,
     dtype: Any,
+    a_decoded: bool = False,
+    b_decoded: bool = False,
 ) -> jax.Array:
     """The matmul primitive's CUDA implementation, chosen when it is lowered
     (``gemm_path``): native FP4 on Blackwell, the cuBLASLt bf16 GEMM with alpha
-    in the epilogue on other GPUs, XLA's bf16 GEMM where neither applies."""
+    in the epilogue on other GPUs, XLA's bf16 GEMM where neither applies.
+    Decoded operands (bfloat16 e2m1 * scale) take a bf16 GEMM on any GPU."""
     path = gemm_path()
-    if path == "native_fp4":
-        fn = blackwell.matmul_native
-    elif path == "cublaslt_bf16":
+    decoded = dict(a_decoded=a_decoded, b_decoded=b_decoded)
+    if path == "cublaslt_bf16" or (path == "native_fp4" and (a_decoded or b_decoded)):
         cuda_targets = _ffi_registry.registered_targets().get("cuda", frozenset())
         fn = functools.partial(
-            matmul_bf16, decode_handler=DECODE_TARGET in cuda_targets
+            matmul_bf16, decode_handler=DECODE_TARGET in cuda_targets, **decoded
         )
+    elif path == "native_fp4":
+        fn = blackwell.matmul_native
     else:
-        fn = reference.matmul_dequantize_bf16
+        fn = functools.partial(reference.matmul_dequantize_bf16, **decoded)
     return fn(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype)

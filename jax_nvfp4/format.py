@@ -62,6 +62,12 @@ class NVFP4Tensor:
         along the last axis, or along axis -2 when ``axis`` is the last).
       rht: whether the values are Random-Hadamard-transformed along ``axis``
         (``dequantize`` then returns the transformed values).
+      decoded: ``codes`` holds the elements' bfloat16 values e2m1 * block
+        scale ``[*stored_shape]`` (exact; the amax not applied) instead of the
+        packed codes: the operand form of the bf16 GEMM on GPUs without FP4
+        tensor cores, which the training recipe's fused quantize writes
+        directly for operands that feed only a GEMM. Only ``matmul`` takes
+        such a tensor.
     """
 
     codes: jax.Array
@@ -71,6 +77,7 @@ class NVFP4Tensor:
     axis: int
     block: Block = "1x16"
     rht: bool = False
+    decoded: bool = False
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -94,6 +101,7 @@ class NVFP4Tensor:
             self.axis,
             self.block,
             self.rht,
+            self.decoded,
         )
 
     @classmethod
@@ -103,7 +111,8 @@ class NVFP4Tensor:
     def __repr__(self) -> str:
         return (
             f"NVFP4Tensor(shape={self.shape}, axis={self.axis}, "
-            f"block={self.block!r}, rht={self.rht})"
+            f"block={self.block!r}, rht={self.rht}"
+            + (", decoded=True)" if self.decoded else ")")
         )
 
 

@@ -34,7 +34,7 @@ def _stored_rank3(t: NVFP4Tensor, name: str):
     batch = math.prod(stored[:-2])
     rows, length = stored[-2], stored[-1]
     return (
-        t.codes.reshape(batch, rows, length // 2),
+        t.codes.reshape(batch, rows, length if t.decoded else length // 2),
         t.scales.reshape(batch, rows, length // BLOCK_SIZE),
         jnp.asarray(t.amax, jnp.float32).reshape(1),
     )
@@ -102,5 +102,7 @@ def matmul(
             a3[1].reshape(1, rows, -1),
             a3[2],
         )
-    out = ops.matmul(*a3, *b3, dtype=out_dtype)
+    out = ops.matmul(
+        *a3, *b3, dtype=out_dtype, a_decoded=a.decoded, b_decoded=b.decoded
+    )
     return out.reshape(*sa[:-1], sb[-2])

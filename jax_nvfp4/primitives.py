@@ -26,6 +26,7 @@ __all__ = [
     "matmul_p",
     "dequantize_p",
     "quantize_cols_p",
+    "quantize_rows_cols_decoded_p",
     "quantize_rows_cols_p",
     "quantize_rows_p",
 ]
@@ -54,6 +55,22 @@ def _quantize_rows_cols_abstract(x, row_amax, col_amax, key, origin, **params):
     del row_amax, col_amax, key, origin, params
     b, m, k = x.shape
     return (*_codes_and_scales(b, m, k), *_codes_and_scales(b, k, m))
+
+
+def _quantize_rows_cols_decoded_abstract(
+    x, row_amax, col_amax, key, origin, *, row_decoded, col_decoded, **params
+):
+    """As quantize_rows_cols, a decoded side's codes replaced by bfloat16
+    values [b, rows, len]."""
+    del row_amax, col_amax, key, origin, params
+    b, m, k = x.shape
+    row_codes, row_scales = _codes_and_scales(b, m, k)
+    col_codes, col_scales = _codes_and_scales(b, k, m)
+    if row_decoded:
+        row_codes = jax.core.ShapedArray((b, m, k), jnp.bfloat16)
+    if col_decoded:
+        col_codes = jax.core.ShapedArray((b, k, m), jnp.bfloat16)
+    return row_codes, row_scales, col_codes, col_scales
 
 
 def _amax_abstract(x, *, rht_axis):
@@ -169,14 +186,14 @@ def _quantize_batch(prim, args, dims, **params):
     return _unfold(outs, size)
 
 
-def _quantize_rows_cols_batch(args, dims, **params):
+def _quantize_rows_cols_batch(args, dims, prim=None, **params):
     x, row_amax, col_amax, key, origin = args
     xd, rd, cd, kd, od = dims
     size = _batch_size(args, dims)
     params = _example_batch(x, xd, params)
     x = _fold(x, xd, size)
     batch = x.shape[0]
-    outs = quantize_rows_cols_p.bind(
+    outs = (prim or quantize_rows_cols_p).bind(
         x,
         _per_batch_item(row_amax, rd, size, batch),
         _per_batch_item(col_amax, cd, size, batch),
@@ -224,10 +241,15 @@ def _jitted_bind(prim, params):
     return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
 
 
-def _ffi_rule(target, drop=()):
+def _ffi_rule(target, drop=(), applies=None, otherwise=None):
+    """The lowering to the FFI handler `target`, with the params in `drop`
+    left out of its attributes; where ``applies(params)`` is False, the
+    lowering `otherwise` instead."""
     rule = jax.ffi.ffi_lowering(target)
 
     def lowering(ctx, *args, **params):
+        if applies is not None and not applies(params):
+            return otherwise(ctx, *args, **params)
         for name in drop:
             params.pop(name)
         return rule(ctx, *args, **params)
@@ -247,11 +269,13 @@ def _define(
     drop=(),
     lowerings=None,
     origin_arg=None,
+    handler_applies=None,
 ):
     """Two primitives: ``name`` (the public one: abstract eval, batching,
     impl, and a lowering that partitions by ``layout`` under sharded jit) and
     ``name_local`` (one shard's work: the FFI handler, a platform-specific
-    pure-JAX path, or the reference)."""
+    pure-JAX path, or the reference). ``handler_applies(params)``: whether
+    the handlers take these params (else the reference lowers it there)."""
 
     def abstract_eval(*avals, **params):
         return _with_varying(abstract(*avals, **params), avals)
@@ -260,9 +284,8 @@ def _define(
     local.multiple_results = multiple
     local.def_abstract_eval(abstract_eval)
     # The reference is the default lowering; handler platforms override it.
-    mlir.register_lowering(
-        local, mlir.lower_fun(reference_fn, multiple_results=multiple)
-    )
+    reference_lowering = mlir.lower_fun(reference_fn, multiple_results=multiple)
+    mlir.register_lowering(local, reference_lowering)
     # Platform-specific pure-JAX paths (e.g. the Hopper GEMM), then handlers.
     for platform, fn in (lowerings or {}).items():
         mlir.register_lowering(
@@ -270,7 +293,11 @@ def _define(
         )
     for platform, targets in _ffi_registry.registered_targets().items():
         if target in targets:
-            mlir.register_lowering(local, _ffi_rule(target, drop), platform=platform)
+            mlir.register_lowering(
+                local,
+                _ffi_rule(target, drop, handler_applies, reference_lowering),
+                platform=platform,
+            )
 
     def local_fn(*args, **params):
         out = local.bind(*args, **params)
@@ -308,10 +335,13 @@ def _quantize_layout(
     tile16_rows=False,
     tile16_cols=False,
     rows_cols=False,
+    row_decoded=False,
+    col_decoded=False,
 ):
     """x [b, m, k]; outputs quantized along k (rows) and/or along m (cols).
     A quantized axis is a factor counting 16-element blocks; the other axis
-    of a 16x16 tile too."""
+    of a 16x16 tile too. A decoded output holds 16 values per block, codes 8
+    bytes."""
     (batch, m, k) = shapes[0]
     m_blocked = along_m_cols or tile16_rows
     k_blocked = along_m_rows or tile16_cols
@@ -327,11 +357,11 @@ def _quantize_layout(
 
     x = (Dim(_B), axis("m", m_blocked, 16), axis("k", k_blocked, 16))
     rows_out = (
-        (Dim(_B), axis("m", m_blocked, 16), Dim("k", 8)),
+        (Dim(_B), axis("m", m_blocked, 16), Dim("k", 16 if row_decoded else 8)),
         (Dim(_B), axis("m", m_blocked, 16), Dim("k")),
     )
     cols_out = (
-        (Dim(_B), axis("k", k_blocked, 16), Dim("m", 8)),
+        (Dim(_B), axis("k", k_blocked, 16), Dim("m", 16 if col_decoded else 8)),
         (Dim(_B), axis("k", k_blocked, 16), Dim("m")),
     )
     n_amax = [s[0] for s in shapes[1:-2]]
@@ -370,9 +400,14 @@ def _cols_layout(shapes, *, tile_rows, **_):
     )
 
 
-def _rows_cols_layout(shapes, **_):
+def _rows_cols_layout(shapes, row_decoded=False, col_decoded=False, **_):
     return _quantize_layout(
-        shapes, along_m_rows=True, along_m_cols=True, rows_cols=True
+        shapes,
+        along_m_rows=True,
+        along_m_cols=True,
+        rows_cols=True,
+        row_decoded=row_decoded,
+        col_decoded=col_decoded,
     )
 
 
@@ -414,20 +449,22 @@ def _dequantize_layout(shapes, **_):
     )
 
 
-def _matmul_layout(shapes, **_):
-    (batch, m, half), _, (n_a,), (batch_b, n, _), _, (n_b,) = shapes
+def _matmul_layout(shapes, a_decoded=False, b_decoded=False, **_):
+    """Codes hold 8 bytes per 16-element block of k, decoded operands 16
+    values."""
+    (batch, m, a_len), (_, _, blocks), (n_a,), (batch_b, n, _), _, (n_b,) = shapes
     b_batch = Dim(_B) if batch_b == batch and batch > 1 else Dim(None)
     return partitioning.Layout(
         operands=(
-            (Dim(_B), Dim("m"), Dim("k", 8)),
+            (Dim(_B), Dim("m"), Dim("k", 16 if a_decoded else 8)),
             (Dim(_B), Dim("m"), Dim("k")),
             (_per_item(n_a, batch),),
-            (b_batch, Dim("n"), Dim("k", 8)),
+            (b_batch, Dim("n"), Dim("k", 16 if b_decoded else 8)),
             (b_batch, Dim("n"), Dim("k")),
             (_per_item(n_b, batch) if n_b == batch_b else Dim(None),),
         ),
         results=((Dim(_B), Dim("m"), Dim("n")),),
-        sizes={_B: batch, "m": m, "n": n, "k": half // 8},
+        sizes={_B: batch, "m": m, "n": n, "k": blocks},
         granule={"k": 16},
         reduce={"k": "sum"},
         names={_B: "batch", "m": "row (m)", "n": "column (n)", "k": "contraction (k)"},
@@ -464,6 +501,18 @@ quantize_rows_cols_p = _define(
     multiple=True,
     origin_arg=4,
 )
+quantize_rows_cols_decoded_p = _define(
+    "nvfp4_quantize_rows_cols_decoded",
+    "jax_nvfp4_quantize_rows_cols_decoded",  # CUDA only; elsewhere the twin
+    _quantize_rows_cols_decoded_abstract,
+    reference.quantize_rows_cols_decoded,
+    lambda args, dims, **p: _quantize_rows_cols_batch(
+        args, dims, prim=quantize_rows_cols_decoded_p, **p
+    ),
+    _rows_cols_layout,
+    multiple=True,
+    origin_arg=4,
+)
 amax_p = _define(
     "nvfp4_amax",
     "jax_nvfp4_amax",
@@ -485,8 +534,10 @@ dequantize_p = _define(
 )
 
 
-def _matmul_abstract(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
-    del a_scales, a_amax, b_scales, b_amax
+def _matmul_abstract(
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype, **decoded
+):
+    del a_scales, a_amax, b_scales, b_amax, decoded
     return jax.core.ShapedArray((*a_codes.shape[:2], b_codes.shape[1]), dtype)
 
 
@@ -498,7 +549,7 @@ def _per_item_amax(amax, d, size, count):
     return amax.reshape(-1)
 
 
-def _matmul_batch(args, dims, *, dtype):
+def _matmul_batch(args, dims, *, dtype, **decoded):
     """Folds the vmapped axis into the GEMM batch; amaxes become per item."""
     size = _batch_size(args, dims)
     (a_codes, a_scales, a_amax, b_codes, b_scales, b_amax) = args
@@ -520,7 +571,7 @@ def _matmul_batch(args, dims, *, dtype):
             b_scales = jnp.repeat(b_scales, per_a, axis=0)
             b_amax = jnp.repeat(b_amax, per_a)
     out = matmul_p.bind(
-        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype
+        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype, **decoded
     )
     return out.reshape(size, -1, *out.shape[1:]), 0
 
@@ -533,14 +584,37 @@ matmul_p = _define(
     _matmul_batch,
     _matmul_layout,
     multiple=False,
-    drop=("dtype",),
+    drop=("dtype", "a_decoded", "b_decoded"),
     lowerings={"cuda": cuda_gemm.matmul_cuda},
+    # The CPU handler multiplies codes; decoded operands take the twin there.
+    handler_applies=lambda p: not (p.get("a_decoded") or p.get("b_decoded")),
 )
 
 
-def matmul(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
+def matmul(
+    a_codes,
+    a_scales,
+    a_amax,
+    b_codes,
+    b_scales,
+    b_amax,
+    *,
+    dtype,
+    a_decoded=False,
+    b_decoded=False,
+):
+    """a_decoded / b_decoded: that operand's codes are its bfloat16 values
+    e2m1 * scale [batch, rows, K] (a decoded NVFP4Tensor's)."""
     return matmul_p.bind(
-        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=np.dtype(dtype)
+        a_codes,
+        a_scales,
+        a_amax,
+        b_codes,
+        b_scales,
+        b_amax,
+        dtype=np.dtype(dtype),
+        a_decoded=bool(a_decoded),
+        b_decoded=bool(b_decoded),
     )
 
 
@@ -567,6 +641,13 @@ def quantize_rows_cols(x, row_amax, col_amax, key, origin=None, **params):
     origin, params = _place(x, origin, params)
     return tuple(
         quantize_rows_cols_p.bind(x, row_amax, col_amax, key, origin, **params)
+    )
+
+
+def quantize_rows_cols_decoded(x, row_amax, col_amax, key, origin=None, **params):
+    origin, params = _place(x, origin, params)
+    return tuple(
+        quantize_rows_cols_decoded_p.bind(x, row_amax, col_amax, key, origin, **params)
     )
 
 

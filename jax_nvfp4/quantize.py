@@ -274,17 +274,18 @@ def _placement_params(place, x3):
     return {"global_m": place[1], "global_k": x3.shape[2]}
 
 
-def _wrap(codes, scales, amax, shape, axis, block, rht) -> NVFP4Tensor:
+def _wrap(codes, scales, amax, shape, axis, block, rht, decoded=False) -> NVFP4Tensor:
     rest = tuple(d for i, d in enumerate(shape) if i != axis)
     length = shape[axis]
     return NVFP4Tensor(
-        codes=codes.reshape(*rest, length // 2),
+        codes=codes.reshape(*rest, length if decoded else length // 2),
         scales=scales.reshape(*rest, length // BLOCK_SIZE),
         amax=amax,
         shape=tuple(shape),
         axis=axis,
         block=block,
         rht=rht,
+        decoded=decoded,
     )
 
 
@@ -304,6 +305,8 @@ def quantize_rowwise_and_columnwise(
     col_stream: int = 1,
     implementation: Implementation = "ffi",
     _place=None,
+    _row_decoded: bool = False,
+    _col_decoded: bool = False,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Quantizes x [..., M, K] along K (row-wise) and along M (column-wise).
 
@@ -313,6 +316,10 @@ def quantize_rowwise_and_columnwise(
     codes ``[..., K, M/2]``. Leading axes are independent matrices that share
     one global amax. For the training recipe, X and dY are [tokens, features]:
     the column-wise copy (typically with ``col_rht=True``) feeds WGRAD.
+
+    ``_row_decoded`` / ``_col_decoded`` (the recipe's, on the Hopper GEMM
+    path): return that side as a ``decoded`` NVFP4Tensor, its bfloat16 GEMM
+    operand, written by the fused kernel in place of the codes.
     """
     x = _check_input(x)
     if x.ndim < 2:
@@ -349,7 +356,13 @@ def quantize_rowwise_and_columnwise(
     else:
         row_amax = _check_amax(row_amax, "row_amax")
 
-    row_codes, row_scales, col_codes, col_scales = ops.quantize_rows_cols(
+    decoded = dict(row_decoded=_row_decoded, col_decoded=_col_decoded)
+    quantize_both = (
+        functools.partial(ops.quantize_rows_cols_decoded, **decoded)
+        if _row_decoded or _col_decoded
+        else ops.quantize_rows_cols
+    )
+    row_codes, row_scales, col_codes, col_scales = quantize_both(
         x3,
         row_amax.reshape(1),
         col_amax.reshape(1),
@@ -365,8 +378,26 @@ def quantize_rowwise_and_columnwise(
         col_rht=col_rht,
         col_stream=col_stream,
     )
-    rows = _wrap(row_codes, row_scales, row_amax, x.shape, n - 1, row_block, row_rht)
-    cols = _wrap(col_codes, col_scales, col_amax, x.shape, n - 2, col_block, col_rht)
+    rows = _wrap(
+        row_codes,
+        row_scales,
+        row_amax,
+        x.shape,
+        n - 1,
+        row_block,
+        row_rht,
+        _row_decoded,
+    )
+    cols = _wrap(
+        col_codes,
+        col_scales,
+        col_amax,
+        x.shape,
+        n - 2,
+        col_block,
+        col_rht,
+        _col_decoded,
+    )
     return rows, cols
 
 
@@ -385,6 +416,11 @@ def dequantize(
     """
     if not isinstance(t, NVFP4Tensor):
         raise TypeError(f"dequantize takes an NVFP4Tensor, got {type(t).__name__}")
+    if t.decoded:
+        raise ValueError(
+            "this NVFP4Tensor holds its bfloat16 GEMM operand (decoded=True), "
+            "not codes; only matmul takes it"
+        )
     if t.batch_ndim:  # returned by vmap: [batch..., *t.shape]
         return jax.vmap(
             functools.partial(dequantize, dtype=dtype, implementation=implementation)

@@ -19,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_nvfp4 import cuda_gemm
 from jax_nvfp4.gemm import matmul
 from jax_nvfp4.quantize import (
     global_amax,
@@ -78,6 +80,26 @@ NVFP4_NO_SR = Recipe(stochastic_rounding=False)
 BF16 = Recipe(fprop=False, dgrad=False, wgrad=False)
 
 
+_DECODED_SWITCH = "JAX_NVFP4_DECODED_OPERANDS"
+
+
+def _write_gemm_operands(recipe: Recipe, a: jax.Array) -> bool:
+    """Whether the fused quantizations of x and dY write the bf16 GEMM
+    operand (a decoded NVFP4Tensor) of the outputs that only feed a GEMM --
+    x's rows, both of dY's -- instead of codes that the GEMM would decode
+    right after: on the Hopper GEMM path (``cuda_gemm``), for
+    bfloat16 inputs (the fused kernel's). Same values either way; it saves
+    the codes' write, their read and the decode kernel.
+    ``JAX_NVFP4_DECODED_OPERANDS=0`` turns it off (read when traced)."""
+    if os.environ.get(_DECODED_SWITCH, "1").strip().lower() in ("0", "false", "off"):
+        return False
+    return (
+        recipe.implementation == "ffi"
+        and a.dtype == jnp.bfloat16
+        and cuda_gemm.gemm_path() == "cublaslt_bf16"
+    )
+
+
 def _pad_tokens(a: jax.Array, tokens: int) -> jax.Array:
     padded = -(-tokens // 16) * 16
     return a if padded == tokens else jnp.pad(a, ((0, padded - tokens), (0, 0)))
@@ -126,17 +148,28 @@ def _shard_amaxes(a2, rht, axis_name, implementation):
 
 
 def _quantize_tokens(
-    a2, recipe: Recipe, *, rows, cols, rounding="nearest", key=None, axis_name=None
+    a2,
+    recipe: Recipe,
+    *,
+    rows,
+    cols,
+    rounding="nearest",
+    key=None,
+    axis_name=None,
+    decoded_cols=False,
 ):
     """a [T, F] (x or dY): row-wise along F (1x16) if ``rows``; column-wise
     along T if ``cols`` (the recipe's RHT, stream 1), T zero-padded to a
-    multiple of 16; one fused pass when both."""
+    multiple of 16; one fused pass when both. With both, the rows (and the
+    columns if ``decoded_cols``) come as GEMM operands where
+    ``_write_gemm_operands``."""
     impl = recipe.implementation
     place = _token_sharding(a2, axis_name)
     row_amax, col_amax = _shard_amaxes(a2, recipe.rht and cols, axis_name, impl)
     padded = _pad_tokens(a2, a2.shape[0])
     common = dict(key=key, implementation=impl, _place=place)
     if rows and cols:
+        operands = _write_gemm_operands(recipe, a2)
         return quantize_rowwise_and_columnwise(
             padded,
             row_rounding=rounding,
@@ -144,6 +177,8 @@ def _quantize_tokens(
             col_rht=recipe.rht,
             row_amax=row_amax,
             col_amax=col_amax,
+            _row_decoded=operands,
+            _col_decoded=operands and decoded_cols,
             **common,
         )
     along_f = (
@@ -170,6 +205,9 @@ def _quantize_w(w, recipe: Recipe):
     block = "16x16" if recipe.weight_2d else "1x16"
     impl = recipe.implementation
     if recipe.fprop and recipe.dgrad:
+        # (Along K feeds FPROP only, but stays codes: under FSDP-sharded jit
+        # the partitioner gathers it, and codes move 4x fewer bytes than a
+        # bf16 operand.)
         along_n, along_k = quantize_rowwise_and_columnwise(
             w, row_block=block, col_block=block, implementation=impl
         )
@@ -268,6 +306,7 @@ def _dot2_bwd(recipe, static, residuals, dy):
         rounding="stochastic" if recipe.stochastic_rounding else "nearest",
         key=words[0] if recipe.stochastic_rounding else None,
         axis_name=axis_name,
+        decoded_cols=True,  # dY's column-wise copy feeds WGRAD only
     )
     if recipe.dgrad:
         dx = matmul(dy_rows, w_saved, out_dtype=_gemm_dtype(in_dtype))[:tokens]

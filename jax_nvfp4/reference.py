@@ -448,23 +448,75 @@ def _gemm_alpha(a_amax, b_amax):
     return (divide(a_amax, r) * divide(b_amax, r)).reshape(-1, 1, 1)
 
 
-def matmul(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
-    """out [b, m, n] = alpha * sum_k a[b, m, k] b[b', n, k] (float32 products)."""
-    a = _decode_unscaled(a_codes, a_scales)
-    b = _decode_unscaled(b_codes, b_scales)
+def decode_unscaled(codes, scales, decoded=False):
+    """A GEMM operand as float32 e2m1 * s_b [b, r, l]: from its codes, or,
+    ``decoded``, ``codes`` already holds those values (bfloat16, exact)."""
+    if decoded:
+        return codes.astype(jnp.float32)
+    return _decode_unscaled(codes, scales)
+
+
+def decode_rows_cols(rows_and_cols, *, row_decoded, col_decoded):
+    """quantize_rows_cols's (row codes, row scales, col codes, col scales)
+    with the chosen sides' codes replaced by their bfloat16 values."""
+    row_codes, row_scales, col_codes, col_scales = rows_and_cols
+    if row_decoded:
+        row_codes = _decode_unscaled(row_codes, row_scales).astype(jnp.bfloat16)
+    if col_decoded:
+        col_codes = _decode_unscaled(col_codes, col_scales).astype(jnp.bfloat16)
+    return row_codes, row_scales, col_codes, col_scales
+
+
+def quantize_rows_cols_decoded(
+    x, row_amax, col_amax, key, origin=None, *, row_decoded, col_decoded, **params
+):
+    """quantize_rows_cols with the chosen sides decoded (decode_rows_cols)."""
+    return decode_rows_cols(
+        quantize_rows_cols(x, row_amax, col_amax, key, origin, **params),
+        row_decoded=row_decoded,
+        col_decoded=col_decoded,
+    )
+
+
+def matmul(
+    a_codes,
+    a_scales,
+    a_amax,
+    b_codes,
+    b_scales,
+    b_amax,
+    *,
+    dtype,
+    a_decoded=False,
+    b_decoded=False,
+):
+    """out [b, m, n] = alpha * sum_k a[b, m, k] b[b', n, k] (float32 products).
+    ``a_decoded`` / ``b_decoded``: that operand's codes are its bfloat16
+    values (``decode_unscaled``)."""
+    a = decode_unscaled(a_codes, a_scales, a_decoded)
+    b = decode_unscaled(b_codes, b_scales, b_decoded)
     b = jnp.broadcast_to(b, (a.shape[0], *b.shape[1:]))
     acc = jnp.einsum("bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST)
     return (acc * _gemm_alpha(a_amax, b_amax)).astype(dtype)
 
 
 def matmul_dequantize_bf16(
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype
+    a_codes,
+    a_scales,
+    a_amax,
+    b_codes,
+    b_scales,
+    b_amax,
+    *,
+    dtype,
+    a_decoded=False,
+    b_decoded=False,
 ):
     """The GPU path without FP4 tensor cores (Hopper): e2m1 * s_b is exact in
     bfloat16, so a bf16 GEMM with float32 accumulation and alpha applied after
     computes the format's exact products."""
-    a = _decode_unscaled(a_codes, a_scales).astype(jnp.bfloat16)
-    b = _decode_unscaled(b_codes, b_scales).astype(jnp.bfloat16)
+    a = decode_unscaled(a_codes, a_scales, a_decoded).astype(jnp.bfloat16)
+    b = decode_unscaled(b_codes, b_scales, b_decoded).astype(jnp.bfloat16)
     if b.shape[0] == 1 and b_amax.size == 1:
         acc = lax.dot_general(
             a, b[0], (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32

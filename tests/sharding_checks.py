@@ -265,6 +265,40 @@ results["shard_map fsdp"] = {
 }
 
 
+# --- The bf16 GEMM operands written by the fused quantize (the Hopper path),
+# forced on here: bfloat16 x and w, the same cases against one device with
+# codes (the operands' values are the same; sums in another order). ---------
+from jax_nvfp4 import recipe as recipe_module  # noqa: E402
+
+xb, wb = xd.astype(jnp.bfloat16), wd.astype(jnp.bfloat16)
+(_, yb0), (dxb0, dwb0) = jax.jit(step)(xb, wb)
+codes_decision = recipe_module._write_gemm_operands
+recipe_module._write_gemm_operands = lambda recipe, a: (
+    recipe.implementation == "ffi" and a.dtype == jnp.bfloat16
+)
+results["decoded operands"] = {}
+for name in ("data + tensor 2d", "fsdp (jit)"):
+    mesh, xspec, wspec = dot_cases[name]
+    f = jax.jit(step)
+    xs, ws = put(xb, mesh, xspec), put(wb, mesh, wspec)
+    text = f.lower(xs, ws).compile().as_text()
+    (_, y1), (dx1, dw1) = f(xs, ws)
+    results["decoded operands"][name] = {
+        "y": max_rel(y1.astype(jnp.float32), yb0.astype(jnp.float32)),
+        "dx": max_rel(dx1.astype(jnp.float32), dxb0.astype(jnp.float32)),
+        "dw": max_rel(dw1.astype(jnp.float32), dwb0.astype(jnp.float32)),
+        "all_gathers": gathers(text),
+    }
+f = jax.jit(jax.value_and_grad(fsdp, argnums=(0, 1), has_aux=True))
+(_, y1), (dx1, dw1) = f(put(xb, mesh, P("data", None)), put(wb, mesh, P("data", None)))
+results["decoded operands"]["shard_map fsdp"] = {
+    "y": max_rel(y1.astype(jnp.float32), yb0.astype(jnp.float32)),
+    "dx": max_rel(dx1.astype(jnp.float32), dxb0.astype(jnp.float32)),
+    "dw": max_rel(dw1.astype(jnp.float32), dwb0.astype(jnp.float32)),
+}
+recipe_module._write_gemm_operands = codes_decision
+
+
 # The quantized bytes inside shard_map with axis_name == one device's.
 def per_shard(xs):
     amax = jax.lax.pmax(nv.global_amax(xs), "data")

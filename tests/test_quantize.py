@@ -139,6 +139,83 @@ def _edge_blocks(x):
     return x.at[..., 80:96, 96:112].set(1e-30)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        # X's: rows (FPROP's operand) decoded, columns (WGRAD's residual) not.
+        dict(col_rht=True, _row_decoded=True),
+        # dY's: both decoded, stochastic rounding, RHT on the columns.
+        dict(
+            row_rounding="stochastic",
+            col_rounding="stochastic",
+            col_rht=True,
+            _row_decoded=True,
+            _col_decoded=True,
+        ),
+        # 16x16 blocks, the column-wise copy decoded.
+        dict(row_block="16x16", col_block="16x16", _col_decoded=True),
+    ],
+)
+def test_fused_decoded_outputs_are_the_decoded_codes(options):
+    """The fused quantize writing a side's bf16 GEMM operand (on a GPU the
+    CUDA kernel's decoded stores) gives exactly decode_bf16 of the codes it
+    would have written, the same scales, and the undecoded side unchanged;
+    also vmapped (two batch items with their own scales)."""
+    from jax_nvfp4.cuda_gemm import decode_bf16
+
+    x = _edge_blocks(outlier_data(19, (2, 144, 96), jnp.bfloat16))
+    key = jax.random.key(4)
+    decoded = {k: v for k, v in options.items() if k.startswith("_")}
+    plain = {k: v for k, v in options.items() if not k.startswith("_")}
+
+    def both(x, key, **extra):
+        return nv.quantize_rowwise_and_columnwise(x, key=key, **plain, **extra)
+
+    want = jax.jit(both)(x, key)
+    got = jax.jit(functools.partial(both, **decoded))(x, key)
+    got_vmapped = jax.jit(
+        jax.vmap(functools.partial(both, **decoded), in_axes=(0, None))
+    )(x, key)
+    want_vmapped = jax.jit(jax.vmap(both, in_axes=(0, None)))(x, key)
+    for g, w, gv, wv, flag in zip(
+        got,
+        want,
+        got_vmapped,
+        want_vmapped,
+        (decoded.get("_row_decoded", False), decoded.get("_col_decoded", False)),
+        strict=True,
+    ):
+        assert g.decoded == gv.decoded == flag
+        for t, ref in ((g, w), (gv, wv)):
+            np.testing.assert_array_equal(
+                np.asarray(t.scales).view(np.uint8),
+                np.asarray(ref.scales).view(np.uint8),
+            )
+            if not flag:
+                assert_same_bytes(t, ref)
+                continue
+            lead = ref.codes.shape[:-1]
+            values = decode_bf16(
+                ref.codes.reshape(1, -1, ref.codes.shape[-1]),
+                ref.scales.reshape(1, -1, ref.scales.shape[-1]),
+            ).reshape(*lead, -1)
+            assert t.codes.dtype == jnp.bfloat16 and t.codes.shape == values.shape
+            np.testing.assert_array_equal(
+                np.asarray(t.codes).view(np.uint16), np.asarray(values).view(np.uint16)
+            )
+    with pytest.raises(ValueError, match="decoded=True"):
+        nv.dequantize(got[0] if got[0].decoded else got[1])
+
+
+@pytest.mark.gpu
+def test_decoded_outputs_need_the_fused_kernel():
+    """The CUDA handler writes decoded operands only where the paired-lane
+    kernel runs (bfloat16 x); a float32 x is refused with what to do."""
+    x = jnp.ones((32, 32), jnp.float32)
+    with pytest.raises(Exception, match="decoded outputs need a bfloat16 x"):
+        jax.block_until_ready(nv.quantize_rowwise_and_columnwise(x, _row_decoded=True))
+
+
 def _flush_subnormals(x):
     """x with every float32-subnormal element replaced by a zero of its sign
     (bitwise, whatever the device's float mode)."""

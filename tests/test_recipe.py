@@ -11,6 +11,7 @@ import pytest
 from conftest import on_cpu, outlier_data
 
 import jax_nvfp4 as nv
+from jax_nvfp4 import recipe as recipe_module
 
 
 def _loss(recipe, key):
@@ -40,14 +41,27 @@ def test_recipe_matches_pure_jax_reference(tokens, recipe):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(jnp.abs(b).max()))
 
 
+@pytest.mark.parametrize("operands", ["default", "decoded", "codes"])
 @pytest.mark.parametrize("recipe", [nv.NVFP4, nv.NVFP4_NO_RHT])
-def test_recipe_bf16_matches_pure_jax_reference(recipe):
+def test_recipe_bf16_matches_pure_jax_reference(recipe, operands, monkeypatch):
     """bfloat16 activations and weights (on a GPU: the paired-lane quantize
     kernel for X, dY and the 2D weights, and GEMMs writing bfloat16):
     y, dx and dw equal the reference's up to one bfloat16 rounding of float32
     sums that differ only in accumulation order (on the CPU: bit for bit).
     Another stochastic-rounding key moves half of dx's and most of dw's
-    elements by more than this bound."""
+    elements by more than this bound. operands: the recipe's own choice
+    (on an H200: the fused quantize writes x's and dY's bf16 GEMM
+    operands), that forced on (on the CPU: the pure-JAX twin of the decoded
+    quantize and the GEMM on decoded operands), or codes throughout."""
+    if operands != "default":
+        forced = operands == "decoded"
+        monkeypatch.setattr(
+            recipe_module,
+            "_write_gemm_operands",
+            lambda r, a: (
+                forced and r.implementation == "ffi" and a.dtype == jnp.bfloat16
+            ),
+        )
     x = outlier_data(0, (64, 64), jnp.bfloat16)
     w = outlier_data(1, (64, 32), jnp.bfloat16) * 0.1
     dy = outlier_data(2, (64, 32), jnp.bfloat16)

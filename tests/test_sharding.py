@@ -123,6 +123,20 @@ def test_dot_with_explicit_mesh_axes(results, case):
     assert r <= ACCUMULATION_BOUND, r
 
 
+@pytest.mark.parametrize("case", ["data + tensor 2d", "fsdp (jit)", "shard_map fsdp"])
+def test_decoded_gemm_operands_under_shardings(results, case):
+    """The fused quantize writing the bf16 GEMM operands (the Hopper path,
+    forced on for the CPU devices), bfloat16 x and w: sharded equals one
+    device with codes up to one bfloat16 rounding of float32 sums taken in
+    another order, and FSDP still gathers codes and scales, never a bf16
+    weight or operand."""
+    r = results["decoded operands"][case]
+    for name in ("y", "dx", "dw"):
+        assert r[name] <= 2**-7, (name, r[name])
+    for t in r.get("all_gathers", []):
+        assert re.match(r"(u8|f8e4m3fn|f16)\[", t), t
+
+
 def test_shard_map_fsdp_step(results):
     r = results["shard_map fsdp"]
     for name in ("y", "dx", "dw"):
