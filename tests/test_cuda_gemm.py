@@ -161,8 +161,11 @@ def test_gemm_path_defaults_to_the_cuda_backend(monkeypatch):
     assert cuda_gemm.cublaslt_gemm_supported()
 
 
+@pytest.mark.parametrize("decoded", [False, True])
 @pytest.mark.parametrize("path", ["native_fp4", "cublaslt_bf16", "xla_bf16"])
-def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path):
+def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
+    """Each path's GEMM gets the operands; a decoded operand (bf16 values,
+    not codes) takes the bf16 GEMM on Blackwell too."""
     called = []
 
     def fake(name):
@@ -176,14 +179,16 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path):
     monkeypatch.setattr(blackwell, "matmul_native", fake("native_fp4"))
     monkeypatch.setattr(cuda_gemm, "matmul_bf16", fake("cublaslt_bf16"))
     monkeypatch.setattr(reference, "matmul_dequantize_bf16", fake("xla_bf16"))
-    assert cuda_gemm.matmul_cuda(*range(6), dtype=jnp.float32) == path
+    chosen = "cublaslt_bf16" if path == "native_fp4" and decoded else path
+    flags = dict(a_decoded=False, b_decoded=decoded)
+    assert cuda_gemm.matmul_cuda(*range(6), dtype=jnp.float32, **flags) == chosen
     cuda = _ffi_registry.registered_targets().get("cuda", frozenset())
-    options = (
-        {"decode_handler": cuda_gemm.DECODE_TARGET in cuda}
-        if path == "cublaslt_bf16"
-        else {}
-    )
-    assert called == [(path, 6, np.dtype(np.float32), options)]
+    options = {
+        "native_fp4": {},
+        "cublaslt_bf16": {"decode_handler": cuda_gemm.DECODE_TARGET in cuda, **flags},
+        "xla_bf16": flags,
+    }[chosen]
+    assert called == [(chosen, 6, np.dtype(np.float32), options)]
 
 
 def test_matmul_cuda_without_a_gpu_is_xla_bf16_gemm(monkeypatch):
