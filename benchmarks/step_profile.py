@@ -28,10 +28,11 @@ from linear_bench import linear_step
 import jax_nvfp4 as nv
 
 
-def trace_events(fn, *args):
-    """{(plane, line): [(event name, duration ns)]} of one traced call."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+def trace_events(fn, *args, warmup=2):
+    """{(plane, line): [(event name, duration ns, start ns)]} of one traced
+    call after `warmup` untraced ones."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as directory:
         jax.profiler.start_trace(directory)
         jax.block_until_ready(fn(*args))
@@ -78,19 +79,28 @@ def summarize(lines, top=25):
     return out
 
 
-def trace_gemm(s, out=None):
-    a, b = (
-        jax.random.normal(k, (s, s), jnp.bfloat16)
-        for k in jax.random.split(jax.random.key(0), 2)
-    )
-    qa, qb = nv.quantize(a), nv.quantize(b, 0, block="16x16")
-    result = {"gemm": s, "device": str(jax.devices()[0])}
-    for name, fn, args in (
-        ("bf16", jax.jit(jnp.dot), (a, b)),
-        ("nvfp4", jax.jit(nv.matmul), (qa, qb)),
+def trace_gemm(s, out=None, repeat=1):
+    """The GEMM alone; repeat > 1: as linear_bench times it, `repeat` GEMMs
+    on their own operands in one jitted call, traced after 20 back-to-back
+    calls (sustained load: clocks as the benchmark sees them)."""
+    keys = jax.random.split(jax.random.key(0), 2 * repeat)
+    pairs = [
+        (
+            jax.random.normal(keys[2 * i], (s, s), jnp.bfloat16),
+            jax.random.normal(keys[2 * i + 1], (s, s), jnp.bfloat16),
+        )
+        for i in range(repeat)
+    ]
+    quantized = [(nv.quantize(a), nv.quantize(b, 0, block="16x16")) for a, b in pairs]
+    result = {"gemm": s, "repeat": repeat, "device": str(jax.devices()[0])}
+    for name, op, inputs in (
+        ("bf16", jnp.dot, pairs),
+        ("nvfp4", nv.matmul, quantized),
     ):
-        print(f"{name} GEMM {s}^3:")
-        result[name] = summarize(trace_events(fn, *args))
+        fn = jax.jit(lambda xs, op=op: [op(*x) for x in xs])
+        print(f"{name} GEMM {s}^3 x {repeat}:")
+        warmup = 20 if repeat > 1 else 2
+        result[name] = summarize(trace_events(fn, inputs, warmup=warmup))
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
@@ -106,10 +116,11 @@ def main():
         help="trace the GEMM alone at S^3 (bf16 jnp.dot vs jax_nvfp4.matmul "
         "from NVFP4 operands, as linear_bench's) instead of the linear step",
     )
+    parser.add_argument("--repeat", type=int, default=1, help="GEMMs per call")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.gemm:
-        return trace_gemm(args.gemm, args.out)
+        return trace_gemm(args.gemm, args.out, args.repeat)
     tokens, k, n = map(int, args.linear.split("x"))
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)

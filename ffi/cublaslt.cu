@@ -218,9 +218,19 @@ ffi::Error LoadCublasLt(const GemmErrors& errors, const CublasLt** lt) {
 ffi::Error GetStreamDevice(cudaStream_t stream, const GemmErrors& errors,
                            StreamDevice* device) {
 #if CUDART_VERSION >= 12080
-  if (cudaError_t err = cudaStreamGetDevice(stream, &device->ordinal);
-      err != cudaSuccess) {
-    return errors.Cuda("cudaStreamGetDevice", err);
+  // While XLA captures the stream into a CUDA graph (command buffers),
+  // cudaStreamGetDevice is not permitted; the calling thread's current
+  // device is the stream's then.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusNone) {
+    if (cudaError_t err = cudaStreamGetDevice(stream, &device->ordinal);
+        err != cudaSuccess) {
+      return errors.Cuda("cudaStreamGetDevice", err);
+    }
+  } else if (cudaError_t err = cudaGetDevice(&device->ordinal);
+             err != cudaSuccess) {
+    return errors.Cuda("cudaGetDevice", err);
   }
 #else
   (void)stream;

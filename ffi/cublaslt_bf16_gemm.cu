@@ -220,13 +220,24 @@ namespace ffi = xla::ffi;
 
 // Not kCmdBufferCompatible: the first call loads cuBLASLt, creates its handle
 // and runs the heuristic, which must not happen inside a CUDA graph capture.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxNvfp4MatmulBf16Cuda, jax_nvfp4::MatmulBf16,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // CUDA stream
-        .Arg<ffi::Buffer<ffi::BF16>>()  // a [b, M, K], decoded e2m1 * scale
-        .Arg<ffi::Buffer<ffi::BF16>>()  // b [1|b, N, K], decoded likewise
-        .Arg<ffi::Buffer<ffi::F32>>()   // a amax [1|b]
-        .Arg<ffi::Buffer<ffi::F32>>()   // b amax [1|b's batch]
-        .Ret<ffi::AnyBuffer>()          // out [b, M, N], bf16 or f32
-        .Ret<ffi::Buffer<ffi::U8>>());  // workspace: beta, alphas, cuBLASLt's
+#define JAX_NVFP4_MATMUL_BF16_BINDING                                 \
+  ffi::Ffi::Bind()                                                    \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>() /* CUDA stream */     \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* a [b, M, K], e2m1 * scale */  \
+      .Arg<ffi::Buffer<ffi::BF16>>() /* b [1|b, N, K], likewise */    \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* a amax [1|b] */               \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* b amax [1|b's batch] */       \
+      .Ret<ffi::AnyBuffer>()         /* out [b, M, N], bf16 or f32 */ \
+      .Ret<ffi::Buffer<ffi::U8>>()   /* workspace: beta, alphas, cuBLASLt's */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulBf16Cuda, jax_nvfp4::MatmulBf16,
+                              JAX_NVFP4_MATMUL_BF16_BINDING);
+
+// The same handler declared safe for XLA's command buffers (CUDA graphs): it
+// only enqueues work on its stream (the alpha kernel; cublasLtMatmul on the
+// workspace XLA allocates). cuda_gemm.py chooses it with
+// JAX_NVFP4_GEMM_GRAPHS=1 while it is being measured.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulBf16GraphCuda,
+                              jax_nvfp4::MatmulBf16,
+                              JAX_NVFP4_MATMUL_BF16_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -30,6 +30,7 @@ XLA_FFI_Error* JaxNvfp4DecodeBf16Cuda(XLA_FFI_CallFrame*);
 #endif
 #ifdef JAX_NVFP4_WITH_CUBLASLT
 XLA_FFI_Error* JaxNvfp4MatmulBf16Cuda(XLA_FFI_CallFrame*);
+XLA_FFI_Error* JaxNvfp4MatmulBf16GraphCuda(XLA_FFI_CallFrame*);
 #endif
 #ifdef JAX_NVFP4_WITH_BLACKWELL_GEMM
 XLA_FFI_Error* JaxNvfp4MatmulFp4Sm100Cuda(XLA_FFI_CallFrame*);
@@ -148,6 +149,7 @@ NB_MODULE(_ffi, m) {
 #endif
 #ifdef JAX_NVFP4_WITH_CUBLASLT
     d["jax_nvfp4_matmul_bf16"] = Capsule(JaxNvfp4MatmulBf16Cuda);
+    d["jax_nvfp4_matmul_bf16_graph"] = Capsule(JaxNvfp4MatmulBf16GraphCuda);
 #endif
 #ifdef JAX_NVFP4_WITH_BLACKWELL_GEMM
     d["jax_nvfp4_matmul_fp4_sm100"] = Capsule(JaxNvfp4MatmulFp4Sm100Cuda);

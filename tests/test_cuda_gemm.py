@@ -220,8 +220,14 @@ def _custom_calls(text):
 def test_lowers_to_one_handler_call_on_hopper(monkeypatch, case, dtype):
     monkeypatch.setattr(_ffi_registry, "registered_targets", lambda: BOTH)
     monkeypatch.setattr(cuda_gemm, "_cuda_devices", lambda: (_device("gpu", "9.0"),))
+    monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS", raising=False)
     batch, m, n, k, b_batch, a_per_item, b_per_item = case
     args = _operands(2, *case)
+    # JAX_NVFP4_GEMM_GRAPHS=1: the same handler, allowed into CUDA graphs.
+    monkeypatch.setenv("JAX_NVFP4_GEMM_GRAPHS", "1")
+    calls = _custom_calls(_lowered_for_cuda(args, dtype))
+    assert len(calls) == 1 and f"@{cuda_gemm.GRAPH_TARGET}(" in calls[0], calls
+    monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS")
     text = _lowered_for_cuda(args, dtype)
     calls = _custom_calls(text)
     assert len(calls) == 1 and f"@{cuda_gemm.TARGET}(" in calls[0], calls
