@@ -104,16 +104,23 @@ def _try(fn, fallback=float("nan")):
         return fallback
 
 
-def bench_gemm(s, rounds, hlo_dir=None):
-    keys = jax.random.split(jax.random.key(0), 2 * REPEAT)
+def gemm_operands(s, repeat=REPEAT):
+    """`repeat` pairs of bf16 [s, s] operands and their NVFP4 forms (a along
+    K, b 2D along its K axis 0)."""
+    keys = jax.random.split(jax.random.key(0), 2 * repeat)
     pairs = [
         (
             jax.random.normal(keys[2 * i], (s, s), jnp.bfloat16),
             jax.random.normal(keys[2 * i + 1], (s, s), jnp.bfloat16),
         )
-        for i in range(REPEAT)
+        for i in range(repeat)
     ]
     quantized = [(nv.quantize(a), nv.quantize(b, 0, block="16x16")) for a, b in pairs]
+    return pairs, quantized
+
+
+def bench_gemm(s, rounds, hlo_dir=None):
+    pairs, quantized = gemm_operands(s)
     if hlo_dir:
         text = jax.jit(nv.matmul).lower(*quantized[0]).compile().as_text()
         with open(f"{hlo_dir}/gemm_nvfp4_{s}.hlo.txt", "w") as f:

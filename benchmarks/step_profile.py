@@ -23,7 +23,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-from linear_bench import linear_step
+from linear_bench import gemm_operands, linear_step
 
 import jax_nvfp4 as nv
 
@@ -83,15 +83,7 @@ def trace_gemm(s, out=None, repeat=1):
     """The GEMM alone; repeat > 1: as linear_bench times it, `repeat` GEMMs
     on their own operands in one jitted call, traced after 20 back-to-back
     calls (sustained load: clocks as the benchmark sees them)."""
-    keys = jax.random.split(jax.random.key(0), 2 * repeat)
-    pairs = [
-        (
-            jax.random.normal(keys[2 * i], (s, s), jnp.bfloat16),
-            jax.random.normal(keys[2 * i + 1], (s, s), jnp.bfloat16),
-        )
-        for i in range(repeat)
-    ]
-    quantized = [(nv.quantize(a), nv.quantize(b, 0, block="16x16")) for a, b in pairs]
+    pairs, quantized = gemm_operands(s, repeat)
     result = {"gemm": s, "repeat": repeat, "device": str(jax.devices()[0])}
     for name, op, inputs in (
         ("bf16", jnp.dot, pairs),

@@ -1278,24 +1278,25 @@ ffi::Error CheckQuantizePlaced(
   return CheckPlace(*d, origin, place);
 }
 
+// One output's arguments; `codes`: the codes, or, `decoded`, the bfloat16
+// values (see OutputArgs).
 OutputArgs MakeOutputArgs(const MatrixDims& d,
                           const ffi::Buffer<ffi::F32>& amax,
                           const ffi::Buffer<ffi::S32>& origin,
                           const GlobalPlace& place, bool transposed,
-                          const QuantizeOptions& options,
-                          ffi::Result<ffi::Buffer<ffi::U8>>& codes,
-                          ffi::Result<ffi::AnyBuffer>& scales) {
+                          const QuantizeOptions& options, void* codes,
+                          void* scales, bool decoded = false) {
   OutputArgs o;
-  o.codes = codes->typed_data();
-  o.scales = static_cast<uint8_t*>(scales->untyped_data());
+  o.codes = static_cast<uint8_t*>(codes);
+  o.scales = static_cast<uint8_t*>(scales);
   o.amax = amax.typed_data();
   o.batch_per_amax = d.batch / static_cast<int64_t>(amax.element_count());
   o.stream = static_cast<uint32_t>(options.stream);
   o.tile16 = options.tile_rows == 16;
   o.stochastic = options.stochastic;
   o.rht = options.rht;
-  o.codes_aligned = IsAligned(o.codes, 8);
-  o.decoded = false;
+  o.codes_aligned = IsAligned(o.codes, decoded ? 16 : 8);
+  o.decoded = decoded;
   o.origin = origin.typed_data();
   o.place = place;
   o.transposed = transposed;
@@ -1418,8 +1419,8 @@ ffi::Error QuantizeRowsCuda(
   if (args.blocks == 0) return ffi::Error::Success();
   args.x_vec = IsAligned(args.x, 16);
   args.key = MakeKeyArgs(d, key);
-  args.out =
-      MakeOutputArgs(d, amax, origin, place, false, options, codes, scales);
+  args.out = MakeOutputArgs(d, amax, origin, place, false, options,
+                            codes->typed_data(), scales->untyped_data());
   const int64_t ctas = (args.blocks + kThreads - 1) / kThreads;
   switch (x.element_type()) {
     case ffi::DataType::BF16: {
@@ -1457,8 +1458,8 @@ ffi::Error QuantizeColsCuda(
   }
   TileArgs args = MakeTileArgs(x, d, key);
   if (args.tiles == 0) return ffi::Error::Success();
-  args.col =
-      MakeOutputArgs(d, amax, origin, place, true, options, codes, scales);
+  args.col = MakeOutputArgs(d, amax, origin, place, true, options,
+                            codes->typed_data(), scales->untyped_data());
   args.row = args.col;  // unused
   return LaunchTile</*kRows=*/false, /*kCols=*/true>(stream, x.element_type(),
                                                      args);
@@ -1494,10 +1495,12 @@ ffi::Error QuantizeRowsColsCuda(
   }
   TileArgs args = MakeTileArgs(x, d, key);
   if (args.tiles == 0) return ffi::Error::Success();
-  args.row = MakeOutputArgs(d, row_amax, origin, place, false, rows, row_codes,
-                            row_scales);
-  args.col = MakeOutputArgs(d, col_amax, origin, place, true, cols, col_codes,
-                            col_scales);
+  args.row =
+      MakeOutputArgs(d, row_amax, origin, place, false, rows,
+                     row_codes->typed_data(), row_scales->untyped_data());
+  args.col =
+      MakeOutputArgs(d, col_amax, origin, place, true, cols,
+                     col_codes->typed_data(), col_scales->untyped_data());
   return LaunchTile</*kRows=*/true, /*kCols=*/true>(stream, x.element_type(),
                                                     args);
 }
@@ -1561,28 +1564,12 @@ ffi::Error QuantizeRowsColsDecodedCuda(
   }
   TileArgs args = MakeTileArgs(x, d, key);
   if (args.tiles == 0) return ffi::Error::Success();
-  auto output = [&](const ffi::Buffer<ffi::F32>& amax, bool transposed,
-                    const QuantizeOptions& options, bool decoded,
-                    ffi::Result<ffi::AnyBuffer>& values,
-                    ffi::Result<ffi::AnyBuffer>& scales) {
-    OutputArgs o;
-    o.codes = static_cast<uint8_t*>(values->untyped_data());
-    o.scales = static_cast<uint8_t*>(scales->untyped_data());
-    o.amax = amax.typed_data();
-    o.batch_per_amax = d.batch / static_cast<int64_t>(amax.element_count());
-    o.stream = static_cast<uint32_t>(options.stream);
-    o.tile16 = options.tile_rows == 16;
-    o.stochastic = options.stochastic;
-    o.rht = options.rht;
-    o.codes_aligned = IsAligned(o.codes, decoded ? 16 : 8);
-    o.decoded = decoded;
-    o.origin = origin.typed_data();
-    o.place = place;
-    o.transposed = transposed;
-    return o;
-  };
-  args.row = output(row_amax, false, rows, row_decoded, row_values, row_scales);
-  args.col = output(col_amax, true, cols, col_decoded, col_values, col_scales);
+  args.row = MakeOutputArgs(d, row_amax, origin, place, false, rows,
+                            row_values->untyped_data(),
+                            row_scales->untyped_data(), row_decoded);
+  args.col = MakeOutputArgs(d, col_amax, origin, place, true, cols,
+                            col_values->untyped_data(),
+                            col_scales->untyped_data(), col_decoded);
   if (!PrivateTileApplies(x.element_type(), args)) {
     return InvalidArgument(
         "decoded outputs need a bfloat16 x, 16-byte aligned, with m and k "
