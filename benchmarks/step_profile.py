@@ -27,10 +27,13 @@ from linear_bench import gemm_operands, linear_step
 
 import jax_nvfp4 as nv
 
+HOST = False  # --host: the host planes too (where each launch's host time goes)
+
 
 def trace_events(fn, *args, warmup=2):
     """{(plane, line): [(event name, duration ns, start ns)]} of one traced
-    call after `warmup` untraced ones."""
+    call after `warmup` untraced ones; the device planes, and with HOST the
+    host's lines too (XLA's thunk executions, the custom calls' handlers)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as directory:
@@ -41,7 +44,7 @@ def trace_events(fn, *args, warmup=2):
         data = jax.profiler.ProfileData.from_file(path)
     lines = {}
     for plane in data.planes:
-        if "host" in plane.name.lower():
+        if "host" in plane.name.lower() and not HOST:
             continue
         for line in plane.lines:
             events = [
@@ -109,8 +112,15 @@ def main():
         "from NVFP4 operands, as linear_bench's) instead of the linear step",
     )
     parser.add_argument("--repeat", type=int, default=1, help="GEMMs per call")
+    parser.add_argument(
+        "--host",
+        action="store_true",
+        help="also summarize the host's trace lines (time spent launching)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
+    global HOST
+    HOST = args.host
     if args.gemm:
         return trace_gemm(args.gemm, args.out, args.repeat)
     tokens, k, n = map(int, args.linear.split("x"))
