@@ -65,6 +65,21 @@ GRAPH_TARGET = TARGET + "_graph"
 DECODE_TARGET = "jax_nvfp4_decode_bf16"
 _SWITCH = "JAX_NVFP4_CUBLASLT_GEMM"
 _DISABLE = ("0", "false", "off", "no")
+_ENABLE = ("1", "true", "on", "yes")
+
+
+def switch(name: str, default: bool) -> bool:
+    """An on/off environment switch: "1"/"true"/"on"/"yes" and
+    "0"/"false"/"off"/"no" (any case); unset, empty or anything else keeps
+    the default."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _ENABLE:
+        return True
+    if value in _DISABLE:
+        return False
+    return default
+
+
 _MIN_CAPABILITY = (8, 0)  # bf16 tensor cores (Ampere)
 
 
@@ -110,7 +125,7 @@ def cublaslt_gemm_supported(devices: Sequence[Any] | None = None) -> bool:
     """
     if devices is None:
         devices = _cuda_devices()
-    if os.environ.get(_SWITCH, "1").strip().lower() in _DISABLE:
+    if not switch(_SWITCH, True):
         return False
     if TARGET not in _ffi_registry.registered_targets().get("cuda", frozenset()):
         return False
@@ -168,8 +183,7 @@ def _call_handler(
     amaxes float32 [1 or batch] -> out [batch, M, N] of dtype (the workspace
     result is dropped)."""
     batch, m, _ = a.shape
-    graphs = os.environ.get("JAX_NVFP4_GEMM_GRAPHS", "0").strip().lower()
-    target = TARGET if graphs in _DISABLE else GRAPH_TARGET
+    target = GRAPH_TARGET if switch("JAX_NVFP4_GEMM_GRAPHS", False) else TARGET
     out, _ = jax.ffi.ffi_call(
         target,
         (

@@ -501,9 +501,27 @@ quantize_rows_cols_p = _define(
     multiple=True,
     origin_arg=4,
 )
+
+
+def _rows_cols_decoded_by_codes_handler(
+    x, row_amax, col_amax, key, origin, *, row_decoded, col_decoded, **params
+):
+    """Where only the codes handler exists (CPU): it quantizes, XLA decodes."""
+    shapes = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype)
+        for a in _quantize_rows_cols_abstract(x, row_amax, col_amax, key, origin)
+    ]
+    outs = jax.ffi.ffi_call("jax_nvfp4_quantize_rows_cols", shapes)(
+        x, row_amax, col_amax, key, origin, **params
+    )
+    return reference.decode_rows_cols(
+        outs, row_decoded=row_decoded, col_decoded=col_decoded
+    )
+
+
 quantize_rows_cols_decoded_p = _define(
     "nvfp4_quantize_rows_cols_decoded",
-    "jax_nvfp4_quantize_rows_cols_decoded",  # CUDA only; elsewhere the twin
+    "jax_nvfp4_quantize_rows_cols_decoded",  # a CUDA handler only
     _quantize_rows_cols_decoded_abstract,
     reference.quantize_rows_cols_decoded,
     lambda args, dims, **p: _quantize_rows_cols_batch(
@@ -512,6 +530,11 @@ quantize_rows_cols_decoded_p = _define(
     _rows_cols_layout,
     multiple=True,
     origin_arg=4,
+    lowerings={
+        platform: _rows_cols_decoded_by_codes_handler
+        for platform, targets in _ffi_registry.registered_targets().items()
+        if "jax_nvfp4_quantize_rows_cols" in targets
+    },
 )
 amax_p = _define(
     "nvfp4_amax",

@@ -274,6 +274,18 @@ def _placement_params(place, x3):
     return {"global_m": place[1], "global_k": x3.shape[2]}
 
 
+def _fused_kernel_decodes(dtype, row_block, col_block, row_rht, col_rht) -> bool:
+    """Whether the CUDA fused kernel (QuantizePrivateTileKernel) can write
+    decoded operands for these options: bfloat16 x, no RHT on the rows, one
+    block shape both ways, 16x16 blocks only without column RHT."""
+    return (
+        jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+        and not row_rht
+        and row_block == col_block
+        and not (col_block == "16x16" and col_rht)
+    )
+
+
 def _wrap(codes, scales, amax, shape, axis, block, rht, decoded=False) -> NVFP4Tensor:
     rest = tuple(d for i, d in enumerate(shape) if i != axis)
     length = shape[axis]
@@ -319,7 +331,9 @@ def quantize_rowwise_and_columnwise(
 
     ``_row_decoded`` / ``_col_decoded`` (the recipe's, on the Hopper GEMM
     path): return that side as a ``decoded`` NVFP4Tensor, its bfloat16 GEMM
-    operand, written by the fused kernel in place of the codes.
+    operand, written by the fused kernel in place of the codes -- for the
+    options that kernel serves (``_fused_kernel_decodes``); otherwise both
+    sides come as codes.
     """
     x = _check_input(x)
     if x.ndim < 2:
@@ -356,6 +370,8 @@ def quantize_rowwise_and_columnwise(
     else:
         row_amax = _check_amax(row_amax, "row_amax")
 
+    if not _fused_kernel_decodes(x.dtype, row_block, col_block, row_rht, col_rht):
+        _row_decoded = _col_decoded = False
     decoded = dict(row_decoded=_row_decoded, col_decoded=_col_decoded)
     quantize_both = (
         functools.partial(ops.quantize_rows_cols_decoded, **decoded)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -87,15 +86,17 @@ def _write_gemm_operands(recipe: Recipe, a: jax.Array) -> bool:
     """Whether the fused quantizations of x and dY write the bf16 GEMM
     operand (a decoded NVFP4Tensor) of the outputs that only feed a GEMM --
     x's rows, both of dY's -- instead of codes that the GEMM would decode
-    right after: on the Hopper GEMM path (``cuda_gemm``), for
-    bfloat16 inputs (the fused kernel's). Same values either way; it saves
-    the codes' write, their read and the decode kernel.
+    right after: on the Hopper GEMM path (``cuda_gemm``) when the GPU is
+    the default backend, for bfloat16 inputs (the fused kernel's). Same
+    values either way; it saves the codes' write, their read and the decode
+    kernel.
     ``JAX_NVFP4_DECODED_OPERANDS=0`` turns it off (read when traced)."""
-    if os.environ.get(_DECODED_SWITCH, "1").strip().lower() in ("0", "false", "off"):
+    if not cuda_gemm.switch(_DECODED_SWITCH, True):
         return False
     return (
         recipe.implementation == "ffi"
         and a.dtype == jnp.bfloat16
+        and jax.default_backend() == "gpu"
         and cuda_gemm.gemm_path() == "cublaslt_bf16"
     )
 

@@ -276,27 +276,53 @@ codes_decision = recipe_module._write_gemm_operands
 recipe_module._write_gemm_operands = lambda recipe, a: (
     recipe.implementation == "ffi" and a.dtype == jnp.bfloat16
 )
-results["decoded operands"] = {}
-for name in ("data + tensor 2d", "fsdp (jit)"):
-    mesh, xspec, wspec = dot_cases[name]
-    f = jax.jit(step)
-    xs, ws = put(xb, mesh, xspec), put(wb, mesh, wspec)
-    text = f.lower(xs, ws).compile().as_text()
+try:
+    # New functions, so that nothing traced before the switch is reused.
+    def decoded_loss(x, w):
+        return loss(x, w)
+
+    decoded_step = jax.value_and_grad(decoded_loss, argnums=(0, 1), has_aux=True)
+
+    def decoded_fsdp_loss(x, w_shard):
+        return fsdp_loss(x, w_shard)
+
+    decoded_fsdp = shard_map(
+        decoded_fsdp_loss,
+        mesh=mesh,
+        in_specs=(P("data", None), P("data", None)),
+        out_specs=(P(), P("data", None)),
+    )
+    results["decoded operands"] = {}
+    for name in ("data + tensor 2d", "fsdp (jit)"):
+        case_mesh, xspec, wspec = dot_cases[name]
+        f = jax.jit(decoded_step)
+        xs, ws = put(xb, case_mesh, xspec), put(wb, case_mesh, wspec)
+        text = f.lower(xs, ws).compile().as_text()
+        (_, y1), (dx1, dw1) = f(xs, ws)
+        results["decoded operands"][name] = {
+            "y": max_rel(y1.astype(jnp.float32), yb0.astype(jnp.float32)),
+            "dx": max_rel(dx1.astype(jnp.float32), dxb0.astype(jnp.float32)),
+            "dw": max_rel(dw1.astype(jnp.float32), dwb0.astype(jnp.float32)),
+            "all_gathers": gathers(text),
+            "decoded": "nvfp4_quantize_rows_cols_decoded"
+            in str(jax.make_jaxpr(decoded_step)(xs, ws)),
+        }
+    f = jax.jit(jax.value_and_grad(decoded_fsdp, argnums=(0, 1), has_aux=True))
+    xs, ws = put(xb, mesh, P("data", None)), put(wb, mesh, P("data", None))
     (_, y1), (dx1, dw1) = f(xs, ws)
-    results["decoded operands"][name] = {
+    results["decoded operands"]["shard_map fsdp"] = {
         "y": max_rel(y1.astype(jnp.float32), yb0.astype(jnp.float32)),
         "dx": max_rel(dx1.astype(jnp.float32), dxb0.astype(jnp.float32)),
         "dw": max_rel(dw1.astype(jnp.float32), dwb0.astype(jnp.float32)),
-        "all_gathers": gathers(text),
+        "decoded": "nvfp4_quantize_rows_cols_decoded"
+        in str(
+            jax.make_jaxpr(
+                jax.value_and_grad(decoded_fsdp, argnums=(0, 1), has_aux=True)
+            )(xs, ws)
+        ),
     }
-f = jax.jit(jax.value_and_grad(fsdp, argnums=(0, 1), has_aux=True))
-(_, y1), (dx1, dw1) = f(put(xb, mesh, P("data", None)), put(wb, mesh, P("data", None)))
-results["decoded operands"]["shard_map fsdp"] = {
-    "y": max_rel(y1.astype(jnp.float32), yb0.astype(jnp.float32)),
-    "dx": max_rel(dx1.astype(jnp.float32), dxb0.astype(jnp.float32)),
-    "dw": max_rel(dw1.astype(jnp.float32), dwb0.astype(jnp.float32)),
-}
-recipe_module._write_gemm_operands = codes_decision
+finally:
+    recipe_module._write_gemm_operands = codes_decision
 
 
 # The quantized bytes inside shard_map with axis_name == one device's.

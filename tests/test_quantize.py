@@ -163,7 +163,12 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
     also vmapped (two batch items with their own scales)."""
     from jax_nvfp4.cuda_gemm import decode_bf16
 
-    x = _edge_blocks(outlier_data(19, (2, 144, 96), jnp.bfloat16))
+    x = _edge_blocks(outlier_data(19, (2, 144, 160), jnp.bfloat16))
+    # The edge data is all there: -inf, the subnormal tile, the 1e-30 block.
+    assert bool(jnp.any(jnp.isneginf(x)))
+    bits = np.asarray(x).view(np.uint16)  # (XLA:CPU compares flush subnormals)
+    assert np.any(((bits & 0x7F80) == 0) & ((bits & 0x7FFF) != 0))
+    assert bool(jnp.any(x == jnp.bfloat16(1e-30)))
     key = jax.random.key(4)
     decoded = {k: v for k, v in options.items() if k.startswith("_")}
     plain = {k: v for k, v in options.items() if not k.startswith("_")}
@@ -187,6 +192,7 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
     ):
         assert g.decoded == gv.decoded == flag
         for t, ref in ((g, w), (gv, wv)):
+            np.testing.assert_array_equal(t.amax, ref.amax)
             np.testing.assert_array_equal(
                 np.asarray(t.scales).view(np.uint8),
                 np.asarray(ref.scales).view(np.uint8),
@@ -207,13 +213,62 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
         nv.dequantize(got[0] if got[0].decoded else got[1])
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(dtype=jnp.float32),
+        dict(row_rht=True),
+        dict(row_block="16x16", col_block="16x16", col_rht=True),
+        dict(row_block="16x16"),
+    ],
+)
+def test_decoded_request_the_kernel_cannot_serve_gives_codes(options):
+    """Options the fused kernel does not write decoded operands for (float32
+    x, RHT on the rows, 16x16 with column RHT, mixed block shapes): both
+    sides come as codes, the same bytes as without the request."""
+    options = dict(options)
+    x = outlier_data(23, (64, 96), options.pop("dtype", jnp.bfloat16))
+    plain = nv.quantize_rowwise_and_columnwise(x, **options)
+    asked = nv.quantize_rowwise_and_columnwise(
+        x, _row_decoded=True, _col_decoded=True, **options
+    )
+    for t, ref in zip(asked, plain, strict=True):
+        assert not t.decoded
+        assert_same_bytes(t, ref)
+
+
 @pytest.mark.gpu
-def test_decoded_outputs_need_the_fused_kernel():
-    """The CUDA handler writes decoded operands only where the paired-lane
-    kernel runs (bfloat16 x); a float32 x is refused with what to do."""
-    x = jnp.ones((32, 32), jnp.float32)
+def test_decoded_handler_refuses_what_the_kernel_cannot_serve():
+    """Called directly with a float32 x, the CUDA handler for decoded outputs
+    refuses with what to do (the Python wrapper never asks it to)."""
+    from jax_nvfp4 import _ffi_registry, primitives
+
+    if (
+        "jax_nvfp4_quantize_rows_cols_decoded"
+        not in _ffi_registry.registered_targets().get("cuda", frozenset())
+    ):
+        pytest.skip("the CUDA handlers are not built")
+    x = jnp.ones((1, 32, 32), jnp.float32)
+    one = jnp.ones(1, jnp.float32)
     with pytest.raises(Exception, match="decoded outputs need a bfloat16 x"):
-        jax.block_until_ready(nv.quantize_rowwise_and_columnwise(x, _row_decoded=True))
+        jax.block_until_ready(
+            primitives.quantize_rows_cols_decoded(
+                x,
+                one,
+                one,
+                jnp.zeros((1, 2), jnp.uint32),
+                row_tile_rows=1,
+                row_stochastic=False,
+                row_rht=False,
+                row_stream=0,
+                row_decoded=True,
+                col_tile_rows=1,
+                col_stochastic=False,
+                col_rht=False,
+                col_stream=1,
+                col_decoded=False,
+            )
+        )
 
 
 def _flush_subnormals(x):
@@ -237,11 +292,12 @@ def test_subnormal_inputs_quantize_as_signed_zeros(scale, block, rounding):
     normal values -- are flushed to zero with their sign, on every backend:
     the fused quantize (rows; columns with RHT) of x equals that of x with
     them zeroed, and the pure-JAX reference on the CPU. "tiny": the whole
-    tensor below 2^-100, so that S_enc saturates at FLT_MAX and S_dec = 1 /
-    FLT_MAX is itself subnormal."""
+    tensor scaled by 2^-130 (amax ~2^-119), so that S_enc = 2688 / amax
+    saturates at FLT_MAX and S_dec = 1 / FLT_MAX is itself subnormal: flushed,
+    it makes every block's multiplier FLT_MAX and every normal element +-6."""
     x = outlier_data(17, (64, 96), jnp.bfloat16)
     if scale == "tiny":
-        x = (x.astype(jnp.float32) * 2.0**-118).astype(jnp.bfloat16)
+        x = (x.astype(jnp.float32) * 2.0**-130).astype(jnp.bfloat16)
     bits = jnp.arange(32 * 32, dtype=jnp.uint16).reshape(32, 32)
     bits = (bits % 127 + 1) | ((bits % 3 == 0).astype(jnp.uint16) << 15)
     tiny = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
@@ -264,8 +320,8 @@ def test_subnormal_inputs_quantize_as_signed_zeros(scale, block, rounding):
     zero_rows, zero_cols = fused_matches_reference(flushed, key, **kwargs)
     assert_same_bytes(rows, zero_rows)
     assert_same_bytes(cols, zero_cols)
-    if scale == "tiny":
-        assert float(rows.amax) < 2.0**-100
+    if scale == "tiny":  # 2688 / amax saturates: S_enc = FLT_MAX
+        assert float(rows.amax) < 2688.0 / float(np.finfo(np.float32).max)
 
 
 @pytest.mark.parametrize("row_rounding", ["nearest", "stochastic"])
