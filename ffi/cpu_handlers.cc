@@ -22,7 +22,11 @@ namespace {
 // see nvfp4_numerics.h), for the lifetime of the object; the previous mode
 // is restored after. XLA runs its CPU computations in this mode already; the
 // handlers set it themselves so that their bytes do not depend on the
-// calling thread.
+// calling thread. x86-64 and AArch64 only (elsewhere the thread's mode,
+// XLA's, applies). No compiler promises not to move float arithmetic across
+// the mode switch without FENV_ACCESS; the work here reads and writes the
+// XLA buffers between the switches, which keeps it in place in practice (and
+// the thread's mode is XLA's flushing one anyway).
 class ScopedFlushSubnormals {
  public:
   ScopedFlushSubnormals() {

@@ -220,7 +220,8 @@ ffi::Error GetStreamDevice(cudaStream_t stream, const GemmErrors& errors,
 #if CUDART_VERSION >= 12080
   // While XLA captures the stream into a CUDA graph (command buffers),
   // cudaStreamGetDevice is not permitted; the calling thread's current
-  // device is the stream's then.
+  // device is the stream's then (XLA sets it). If the capture query itself
+  // fails, the current device is taken too.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
       capture == cudaStreamCaptureStatusNone) {

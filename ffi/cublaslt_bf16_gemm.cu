@@ -218,8 +218,10 @@ ffi::Error MatmulBf16(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
 
 namespace ffi = xla::ffi;
 
-// Not kCmdBufferCompatible: the first call loads cuBLASLt, creates its handle
-// and runs the heuristic, which must not happen inside a CUDA graph capture.
+// The default registration is not kCmdBufferCompatible: the first call per
+// device and per problem loads cuBLASLt, creates its handle and runs the
+// heuristic, which cuBLASLt does not promise to be legal inside a CUDA graph
+// capture.
 #define JAX_NVFP4_MATMUL_BF16_BINDING                                 \
   ffi::Ffi::Bind()                                                    \
       .Ctx<ffi::PlatformStream<cudaStream_t>>() /* CUDA stream */     \
@@ -233,10 +235,12 @@ namespace ffi = xla::ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulBf16Cuda, jax_nvfp4::MatmulBf16,
                               JAX_NVFP4_MATMUL_BF16_BINDING);
 
-// The same handler declared safe for XLA's command buffers (CUDA graphs): it
-// only enqueues work on its stream (the alpha kernel; cublasLtMatmul on the
-// workspace XLA allocates). cuda_gemm.py chooses it with
-// JAX_NVFP4_GEMM_GRAPHS=1 while it is being measured.
+// The same handler declared safe for XLA's command buffers (CUDA graphs):
+// what it enqueues is capturable (the alpha kernel; cublasLtMatmul on the
+// workspace XLA allocates), but the setup above may then run inside a capture
+// (it did not break the runs measured on an H200, 2026-11-30). Opt-in,
+// JAX_NVFP4_GEMM_GRAPHS=1 (cuda_gemm.py), until the setup moves to an FFI
+// stage that runs outside capture.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulBf16GraphCuda,
                               jax_nvfp4::MatmulBf16,
                               JAX_NVFP4_MATMUL_BF16_BINDING,

@@ -299,6 +299,9 @@ __device__ __forceinline__ BlockMax BlockAmax(const float (&v)[kBlock]) {
 // BlockAmax of the 16 bfloat16 values in w[0..7] (v: the same values as
 // floats), the maximum taken on bfloat16 pairs (exact: no rounding), so
 // that it needs only the words. NaN propagates through max.NaN.bf16x2.
+// Like BlockAmax's max.NaN.f32 (no .ftz), it can return a subnormal maximum
+// where the header's fmaxf (flushing) returns 0; every use multiplies it
+// first (the block scale, the below-seven test), which flushes it.
 __device__ __forceinline__ BlockMax
 BlockAmaxBf16(const uint32_t (&w)[kBlock / 2], const float (&v)[kBlock]) {
   __nv_bfloat162 m[kBlock / 4];
