@@ -294,7 +294,7 @@ def test_subnormal_inputs_quantize_as_signed_zeros(scale, block, rounding):
     them zeroed, and the pure-JAX reference on the CPU. "tiny": the whole
     tensor scaled by 2^-130 (amax ~2^-119), so that S_enc = 2688 / amax
     saturates at FLT_MAX and S_dec = 1 / FLT_MAX is itself subnormal: flushed,
-    it makes every block's multiplier FLT_MAX and every normal element +-6."""
+    it makes every block's multiplier FLT_MAX and every normal element +-6 or +-4."""
     x = outlier_data(17, (64, 96), jnp.bfloat16)
     if scale == "tiny":
         x = (x.astype(jnp.float32) * 2.0**-130).astype(jnp.bfloat16)
