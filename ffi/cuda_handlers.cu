@@ -1465,48 +1465,8 @@ ffi::Error QuantizeColsCuda(
                                                      args);
 }
 
-ffi::Error QuantizeRowsColsCuda(
-    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
-    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
-    ffi::Buffer<ffi::S32> origin, ffi::Result<ffi::Buffer<ffi::U8>> row_codes,
-    ffi::Result<ffi::AnyBuffer> row_scales,
-    ffi::Result<ffi::Buffer<ffi::U8>> col_codes,
-    ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
-    bool row_stochastic, bool row_rht, int64_t row_stream,
-    int64_t col_tile_rows, bool col_stochastic, bool col_rht,
-    int64_t col_stream, int64_t global_m, int64_t global_k,
-    int64_t example_batch) {
-  const GlobalPlace place{global_m, global_k, example_batch};
-  const QuantizeOptions rows{row_tile_rows, row_stochastic, row_rht,
-                             row_stream};
-  const QuantizeOptions cols{col_tile_rows, col_stochastic, col_rht,
-                             col_stream};
-  MatrixDims d;
-  if (auto e =
-          CheckQuantizePlaced(x, /*transpose=*/false, row_amax, key, origin,
-                              place, rows, row_codes, row_scales, &d);
-      e.failure()) {
-    return e;
-  }
-  if (auto e = CheckQuantizePlaced(x, /*transpose=*/true, col_amax, key, origin,
-                                   place, cols, col_codes, col_scales, &d);
-      e.failure()) {
-    return e;
-  }
-  TileArgs args = MakeTileArgs(x, d, key);
-  if (args.tiles == 0) return ffi::Error::Success();
-  args.row =
-      MakeOutputArgs(d, row_amax, origin, place, false, rows,
-                     row_codes->typed_data(), row_scales->untyped_data());
-  args.col =
-      MakeOutputArgs(d, col_amax, origin, place, true, cols,
-                     col_codes->typed_data(), col_scales->untyped_data());
-  return LaunchTile</*kRows=*/true, /*kCols=*/true>(stream, x.element_type(),
-                                                    args);
-}
-
-// The output of one side of QuantizeRowsColsDecodedCuda: the codes, or
-// their bfloat16 values when `decoded`, and the scales.
+// One side's output of the fused quantize: the codes, or their bfloat16
+// values when `decoded`, and the scales.
 ffi::Error CheckDecodableOutput(int64_t batch, int64_t rows, int64_t len,
                                 bool decoded,
                                 ffi::Result<ffi::AnyBuffer>& values,
@@ -1527,11 +1487,12 @@ ffi::Error CheckDecodableOutput(int64_t batch, int64_t rows, int64_t len,
   return ffi::Error::Success();
 }
 
-// QuantizeRowsColsCuda with either output (`row_decoded`, `col_decoded`)
-// written as the bfloat16 operand of the Hopper GEMM, e2m1(code) * scale,
-// instead of its codes: the same values the GEMM's decode (DecodeBf16Kernel)
-// would make of them, without the codes' round trip through memory. Only
-// where QuantizePrivateTileKernel applies.
+// The fused row-wise + column-wise quantize. Either output (`row_decoded`,
+// `col_decoded`) can be written as the bfloat16 operand of the Hopper GEMM,
+// e2m1(code) * scale, instead of its codes: the values the GEMM's decode
+// (DecodeBf16Kernel) would make of them, without the codes' round trip
+// through memory -- only where QuantizePrivateTileKernel applies. The codes
+// handler is this with neither decoded.
 ffi::Error QuantizeRowsColsDecodedCuda(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
     ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
@@ -1570,15 +1531,33 @@ ffi::Error QuantizeRowsColsDecodedCuda(
   args.col = MakeOutputArgs(d, col_amax, origin, place, true, cols,
                             col_values->untyped_data(),
                             col_scales->untyped_data(), col_decoded);
-  if (!PrivateTileApplies(x.element_type(), args)) {
+  if ((row_decoded || col_decoded) &&
+      !PrivateTileApplies(x.element_type(), args)) {
     return InvalidArgument(
         "decoded outputs need a bfloat16 x, 16-byte aligned, with m and k "
         "multiples of 16, no RHT on the rows and the same block shape both "
         "ways (16x16 only without column RHT); quantize and decode instead");
   }
-  LaunchPrivateTile(stream, args, args.row.stochastic, args.col.rht,
-                    args.col.stochastic, args.col.tile16);
-  return LaunchError("quantize");
+  return LaunchTile</*kRows=*/true, /*kCols=*/true>(stream, x.element_type(),
+                                                    args);
+}
+
+ffi::Error QuantizeRowsColsCuda(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
+    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
+    ffi::Buffer<ffi::S32> origin, ffi::Result<ffi::AnyBuffer> row_codes,
+    ffi::Result<ffi::AnyBuffer> row_scales,
+    ffi::Result<ffi::AnyBuffer> col_codes,
+    ffi::Result<ffi::AnyBuffer> col_scales, int64_t row_tile_rows,
+    bool row_stochastic, bool row_rht, int64_t row_stream,
+    int64_t col_tile_rows, bool col_stochastic, bool col_rht,
+    int64_t col_stream, int64_t global_m, int64_t global_k,
+    int64_t example_batch) {
+  return QuantizeRowsColsDecodedCuda(
+      stream, x, row_amax, col_amax, key, origin, row_codes, row_scales,
+      col_codes, col_scales, row_tile_rows, row_stochastic, row_rht, row_stream,
+      /*row_decoded=*/false, col_tile_rows, col_stochastic, col_rht, col_stream,
+      /*col_decoded=*/false, global_m, global_k, example_batch);
 }
 
 ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x,
@@ -1766,9 +1745,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::F32>>()              // col amax
         .Arg<ffi::Buffer<ffi::U32>>()              // key [n, 2]
         .Arg<ffi::Buffer<ffi::S32>>()              // origin [3]
-        .Ret<ffi::Buffer<ffi::U8>>()               // row codes
+        .Ret<ffi::AnyBuffer>()                     // row codes (uint8)
         .Ret<ffi::AnyBuffer>()                     // row scales
-        .Ret<ffi::Buffer<ffi::U8>>()               // col codes
+        .Ret<ffi::AnyBuffer>()                     // col codes (uint8)
         .Ret<ffi::AnyBuffer>()                     // col scales
         .Attr<int64_t>("row_tile_rows")
         .Attr<bool>("row_stochastic")

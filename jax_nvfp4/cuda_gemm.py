@@ -146,16 +146,9 @@ def gemm_path(devices: Sequence[Any] | None = None) -> str:
     return "xla_bf16"
 
 
-def decode_bf16(codes: jax.Array, scales: jax.Array) -> jax.Array:
-    """e2m1(code) * block scale as bfloat16 (exact), without the amax.
-
-    codes: uint8 [batch, rows, K/2]; scales: float8_e4m3fn [batch, rows, K/16].
-    Returns bfloat16 [batch, rows, K]. E2M1 values have at most 2 significant
-    bits and E4M3 scales 4 (subnormals fewer), so every product fits the 8 bits
-    of bfloat16's significand and its exponent range. Pure JAX: the twin of
-    the CUDA handler behind ``decode_bf16_cuda``.
-    """
-    return reference._decode_unscaled(codes, scales).astype(jnp.bfloat16)
+# e2m1(code) * block scale as bfloat16 (exact), without the amax; pure JAX,
+# the twin of the CUDA handler behind decode_bf16_cuda.
+decode_bf16 = reference.decode_bf16
 
 
 def decode_bf16_cuda(codes: jax.Array, scales: jax.Array) -> jax.Array:

@@ -448,22 +448,26 @@ def _gemm_alpha(a_amax, b_amax):
     return (divide(a_amax, r) * divide(b_amax, r)).reshape(-1, 1, 1)
 
 
-def decode_unscaled(codes, scales, decoded=False):
-    """A GEMM operand as float32 e2m1 * s_b [b, r, l]: from its codes, or,
-    ``decoded``, ``codes`` already holds those values (bfloat16, exact)."""
-    if decoded:
-        return codes.astype(jnp.float32)
-    return _decode_unscaled(codes, scales)
+def decode_bf16(codes, scales):
+    """e2m1(code) * s_b as bfloat16 [b, r, l] (exact: E2M1 values have at
+    most 2 significant bits and E4M3 scales 4, so every product fits the 8
+    bits of bfloat16's significand and its exponent range): the operands of
+    the bf16 GEMM, the twin of the CUDA handler jax_nvfp4_decode_bf16."""
+    return _decode_unscaled(codes, scales).astype(jnp.bfloat16)
+
+
+def operand_bf16(codes, scales, decoded=False):
+    """A GEMM operand as bfloat16 e2m1 * s_b [b, r, l]: decoded from its
+    codes, or, ``decoded``, ``codes`` already holds those values."""
+    return codes if decoded else decode_bf16(codes, scales)
 
 
 def decode_rows_cols(rows_and_cols, *, row_decoded, col_decoded):
     """quantize_rows_cols's (row codes, row scales, col codes, col scales)
     with the chosen sides' codes replaced by their bfloat16 values."""
     row_codes, row_scales, col_codes, col_scales = rows_and_cols
-    if row_decoded:
-        row_codes = _decode_unscaled(row_codes, row_scales).astype(jnp.bfloat16)
-    if col_decoded:
-        col_codes = _decode_unscaled(col_codes, col_scales).astype(jnp.bfloat16)
+    row_codes = decode_bf16(row_codes, row_scales) if row_decoded else row_codes
+    col_codes = decode_bf16(col_codes, col_scales) if col_decoded else col_codes
     return row_codes, row_scales, col_codes, col_scales
 
 
@@ -492,9 +496,9 @@ def matmul(
 ):
     """out [b, m, n] = alpha * sum_k a[b, m, k] b[b', n, k] (float32 products).
     ``a_decoded`` / ``b_decoded``: that operand's codes are its bfloat16
-    values (``decode_unscaled``)."""
-    a = decode_unscaled(a_codes, a_scales, a_decoded)
-    b = decode_unscaled(b_codes, b_scales, b_decoded)
+    values (``operand_bf16``)."""
+    a = operand_bf16(a_codes, a_scales, a_decoded).astype(jnp.float32)
+    b = operand_bf16(b_codes, b_scales, b_decoded).astype(jnp.float32)
     b = jnp.broadcast_to(b, (a.shape[0], *b.shape[1:]))
     acc = jnp.einsum("bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST)
     return (acc * _gemm_alpha(a_amax, b_amax)).astype(dtype)
@@ -515,8 +519,8 @@ def matmul_dequantize_bf16(
     """The GPU path without FP4 tensor cores (Hopper): e2m1 * s_b is exact in
     bfloat16, so a bf16 GEMM with float32 accumulation and alpha applied after
     computes the format's exact products."""
-    a = decode_unscaled(a_codes, a_scales, a_decoded).astype(jnp.bfloat16)
-    b = decode_unscaled(b_codes, b_scales, b_decoded).astype(jnp.bfloat16)
+    a = operand_bf16(a_codes, a_scales, a_decoded)
+    b = operand_bf16(b_codes, b_scales, b_decoded)
     if b.shape[0] == 1 and b_amax.size == 1:
         acc = lax.dot_general(
             a, b[0], (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32
