@@ -62,12 +62,13 @@ class NVFP4Tensor:
         along the last axis, or along axis -2 when ``axis`` is the last).
       rht: whether the values are Random-Hadamard-transformed along ``axis``
         (``dequantize`` then returns the transformed values).
-      decoded: ``codes`` holds the elements' bfloat16 values e2m1 * block
-        scale ``[*stored_shape]`` (exact; the amax not applied) instead of the
-        packed codes: the operand form of the bf16 GEMM on GPUs without FP4
-        tensor cores, which the training recipe's fused quantize writes
-        directly for operands that feed only a GEMM. Only ``matmul`` takes
-        such a tensor.
+
+    A tensor whose ``codes`` are bfloat16 (``decoded``) holds the elements'
+    values e2m1 * block scale ``[*stored_shape]`` (exact; the amax not
+    applied) instead of packed codes: the operand form of the bf16 GEMM on
+    GPUs without FP4 tensor cores, which the training recipe's fused quantize
+    writes directly for operands that feed only a GEMM. Only ``matmul`` takes
+    such a tensor.
     """
 
     codes: jax.Array
@@ -77,13 +78,17 @@ class NVFP4Tensor:
     axis: int
     block: Block = "1x16"
     rht: bool = False
-    decoded: bool = False
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """The logical shape with the quantized axis moved last."""
         rest = tuple(d for i, d in enumerate(self.shape) if i != self.axis)
         return (*rest, self.shape[self.axis])
+
+    @property
+    def decoded(self) -> bool:
+        """``codes`` holds bfloat16 values e2m1 * scale, not packed codes."""
+        return getattr(self.codes, "dtype", None) == jnp.bfloat16
 
     @property
     def ndim(self) -> int:
@@ -101,7 +106,6 @@ class NVFP4Tensor:
             self.axis,
             self.block,
             self.rht,
-            self.decoded,
         )
 
     @classmethod

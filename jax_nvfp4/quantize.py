@@ -286,9 +286,11 @@ def _fused_kernel_decodes(dtype, row_block, col_block, row_rht, col_rht) -> bool
     )
 
 
-def _wrap(codes, scales, amax, shape, axis, block, rht, decoded=False) -> NVFP4Tensor:
+def _wrap(codes, scales, amax, shape, axis, block, rht) -> NVFP4Tensor:
+    """codes: packed uint8 codes or (a decoded side) bfloat16 values."""
     rest = tuple(d for i, d in enumerate(shape) if i != axis)
     length = shape[axis]
+    decoded = codes.dtype == jnp.bfloat16
     return NVFP4Tensor(
         codes=codes.reshape(*rest, length if decoded else length // 2),
         scales=scales.reshape(*rest, length // BLOCK_SIZE),
@@ -297,7 +299,6 @@ def _wrap(codes, scales, amax, shape, axis, block, rht, decoded=False) -> NVFP4T
         axis=axis,
         block=block,
         rht=rht,
-        decoded=decoded,
     )
 
 
@@ -394,26 +395,8 @@ def quantize_rowwise_and_columnwise(
         col_rht=col_rht,
         col_stream=col_stream,
     )
-    rows = _wrap(
-        row_codes,
-        row_scales,
-        row_amax,
-        x.shape,
-        n - 1,
-        row_block,
-        row_rht,
-        _row_decoded,
-    )
-    cols = _wrap(
-        col_codes,
-        col_scales,
-        col_amax,
-        x.shape,
-        n - 2,
-        col_block,
-        col_rht,
-        _col_decoded,
-    )
+    rows = _wrap(row_codes, row_scales, row_amax, x.shape, n - 1, row_block, row_rht)
+    cols = _wrap(col_codes, col_scales, col_amax, x.shape, n - 2, col_block, col_rht)
     return rows, cols
 
 

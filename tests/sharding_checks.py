@@ -292,35 +292,34 @@ try:
         in_specs=(P("data", None), P("data", None)),
         out_specs=(P(), P("data", None)),
     )
+
+    def decoded_result(step_fn, xs, ws):
+        """y, dx, dw against one device with codes, and whether the decoded
+        quantize ran."""
+        (_, y1), (dx1, dw1) = jax.jit(step_fn)(xs, ws)
+        got, want = (y1, dx1, dw1), (yb0, dxb0, dwb0)
+        out = {
+            name: max_rel(g.astype(jnp.float32), w.astype(jnp.float32))
+            for name, g, w in zip(("y", "dx", "dw"), got, want, strict=True)
+        }
+        jaxpr = str(jax.make_jaxpr(step_fn)(xs, ws))
+        out["decoded"] = "nvfp4_quantize_rows_cols_decoded" in jaxpr
+        return out
+
     results["decoded operands"] = {}
     for name in ("data + tensor 2d", "fsdp (jit)"):
         case_mesh, xspec, wspec = dot_cases[name]
-        f = jax.jit(decoded_step)
         xs, ws = put(xb, case_mesh, xspec), put(wb, case_mesh, wspec)
-        text = f.lower(xs, ws).compile().as_text()
-        (_, y1), (dx1, dw1) = f(xs, ws)
-        results["decoded operands"][name] = {
-            "y": max_rel(y1.astype(jnp.float32), yb0.astype(jnp.float32)),
-            "dx": max_rel(dx1.astype(jnp.float32), dxb0.astype(jnp.float32)),
-            "dw": max_rel(dw1.astype(jnp.float32), dwb0.astype(jnp.float32)),
-            "all_gathers": gathers(text),
-            "decoded": "nvfp4_quantize_rows_cols_decoded"
-            in str(jax.make_jaxpr(decoded_step)(xs, ws)),
-        }
-    f = jax.jit(jax.value_and_grad(decoded_fsdp, argnums=(0, 1), has_aux=True))
-    xs, ws = put(xb, mesh, P("data", None)), put(wb, mesh, P("data", None))
-    (_, y1), (dx1, dw1) = f(xs, ws)
-    results["decoded operands"]["shard_map fsdp"] = {
-        "y": max_rel(y1.astype(jnp.float32), yb0.astype(jnp.float32)),
-        "dx": max_rel(dx1.astype(jnp.float32), dxb0.astype(jnp.float32)),
-        "dw": max_rel(dw1.astype(jnp.float32), dwb0.astype(jnp.float32)),
-        "decoded": "nvfp4_quantize_rows_cols_decoded"
-        in str(
-            jax.make_jaxpr(
-                jax.value_and_grad(decoded_fsdp, argnums=(0, 1), has_aux=True)
-            )(xs, ws)
-        ),
-    }
+        r = decoded_result(decoded_step, xs, ws)
+        r["all_gathers"] = gathers(
+            jax.jit(decoded_step).lower(xs, ws).compile().as_text()
+        )
+        results["decoded operands"][name] = r
+    results["decoded operands"]["shard_map fsdp"] = decoded_result(
+        jax.value_and_grad(decoded_fsdp, argnums=(0, 1), has_aux=True),
+        put(xb, mesh, P("data", None)),
+        put(wb, mesh, P("data", None)),
+    )
 finally:
     recipe_module._write_gemm_operands = codes_decision
 
