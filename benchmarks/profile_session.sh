@@ -4,7 +4,8 @@
 #      pipe utilization) at 16384 x 8192;
 #   2. the kernels of one linear forward+backward step, bf16 and jax_nvfp4
 #      (benchmarks/step_profile.py, a jax.profiler trace), per shape in
-#      STEP_SHAPES (STEP_HOST=1: the host's lines too); 3. with GEMM_TRACE=S,
+#      STEP_SHAPES (STEP_HOST=1: the host's lines too; STEP_REPEAT=R: R steps per call after
+#      20 untraced calls, as linear_bench times them); 3. with GEMM_TRACE=S,
 #      the same trace of the GEMM alone at S^3.
 # SKIP_NCU=1 leaves step 1 out. Writes 3 files per call plus one per shape ($OUT brings back 8 at most).
 set -uo pipefail
@@ -18,7 +19,7 @@ pipes=sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_execu
   python3 benchmarks/quantize_profile.py --shape "${QUANT_SHAPE:-16384x8192}" > "$OUT/ncu_stalls.txt" 2>&1
 [ -n "${SKIP_NCU:-}" ] || echo "ncu stalls rc=$?"; [ -n "${SKIP_NCU:-}" ] || grep -E "Duration|Issue Slots Busy|pipe_alu|pipe_fma |long_scoreboard|short_scoreboard|math_pipe|wait" "$OUT/ncu_stalls.txt" | head -30
 for shape in ${STEP_SHAPES:-8192x4096x14336}; do
-  timeout 200 python3 benchmarks/step_profile.py --linear "$shape" ${STEP_HOST:+--host} --out "$OUT/step_$shape.json" >> "$OUT/step_profile.txt" 2>&1
+  timeout 200 python3 benchmarks/step_profile.py --linear "$shape" ${STEP_HOST:+--host} --repeat "${STEP_REPEAT:-1}" --out "$OUT/step_$shape.json" >> "$OUT/step_profile.txt" 2>&1
   echo "step $shape rc=$?"
 done
 if [ -n "${GEMM_TRACE:-}" ]; then

@@ -67,18 +67,33 @@ def summarize(lines, top=25):
         # kernels (launch latency, host work of custom calls).
         span = max(t + ns for _, ns, t in events) - min(t for _, _, t in events)
         ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+        # The idle gaps between consecutive events (where the line waits for
+        # a launch), largest first, each named by the event after it.
+        ordered = sorted(events, key=lambda e: e[2])
+        gaps = sorted(
+            (
+                (nxt[2] - (cur[2] + cur[1]), nxt[0])
+                for cur, nxt in zip(ordered, ordered[1:], strict=False)
+                if nxt[2] > cur[2] + cur[1]
+            ),
+            reverse=True,
+        )
         out[line] = {
             "total_us": total / 1e3,
             "span_us": span / 1e3,
             "events": len(events),
             "by_name_us": [(n, c, ns / 1e3) for n, (c, ns) in ranked],
+            "largest_gaps_us": [(ns / 1e3, n) for ns, n in gaps[:10]],
         }
         print(
             f"  {line}: {len(events)} events, {total / 1e3:,.1f} us busy, "
-            f"{span / 1e3:,.1f} us first start to last end"
+            f"{span / 1e3:,.1f} us first start to last end, "
+            f"{sum(g for g, _ in gaps) / 1e3:,.1f} us in gaps"
         )
         for name, (count, ns) in ranked[:top]:
             print(f"    {ns / 1e3:10,.1f} us  x{count:<3} {name[:100]}")
+        for ns, name in gaps[:5]:
+            print(f"    gap {ns / 1e3:8,.1f} us before {name[:90]}")
     return out
 
 
@@ -111,7 +126,9 @@ def main():
         help="trace the GEMM alone at S^3 (bf16 jnp.dot vs jax_nvfp4.matmul "
         "from NVFP4 operands, as linear_bench's) instead of the linear step",
     )
-    parser.add_argument("--repeat", type=int, default=1, help="GEMMs per call")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="GEMMs (or linear steps) per call"
+    )
     parser.add_argument(
         "--host",
         action="store_true",
@@ -130,17 +147,27 @@ def main():
 
     dy = jax.random.normal(jax.random.key(2), (tokens, n), jnp.bfloat16)
 
+    # repeat > 1: as linear_bench times it, `repeat` steps in one jitted
+    # call, traced after 20 back-to-back calls.
+    inputs = [(x, w, dy)] * args.repeat
+
     def step(dot):
-        return jax.jit(linear_step(dot))
+        f = linear_step(dot)
+        return jax.jit(lambda xs: [f(*a) for a in xs])
 
     steps = {
         "bf16": step(jnp.dot),
         "nvfp4": step(lambda x, w: nv.dot(x, w, key=keys[2])),
     }
-    result = {"shape": args.linear, "device": str(jax.devices()[0])}
+    result = {
+        "shape": args.linear,
+        "repeat": args.repeat,
+        "device": str(jax.devices()[0]),
+    }
+    warmup = 20 if args.repeat > 1 else 2
     for name, fn in steps.items():
-        print(f"{name} step, {args.linear}:")
-        result[name] = summarize(trace_events(fn, x, w, dy))
+        print(f"{name} step, {args.linear} x {args.repeat}:")
+        result[name] = summarize(trace_events(fn, inputs, warmup=warmup))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
