@@ -226,9 +226,9 @@ ffi::Error MatmulFp4Sm100(cudaStream_t stream, ffi::Buffer<ffi::U8> a_codes,
 
 namespace ffi = xla::ffi;
 
-// Not kCmdBufferCompatible: the first call loads cuBLASLt and creates its
-// handle, which must not happen inside a CUDA graph capture; revisit once the
-// handler has run on Blackwell hardware.
+// Not kCmdBufferCompatible (unlike the bf16 GEMM, whose setup shares
+// CaptureSafeSetup with this one): kept out of CUDA graphs until the handler
+// has run on Blackwell hardware.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxNvfp4MatmulFp4Sm100Cuda, jax_nvfp4::MatmulFp4Sm100,
     ffi::Ffi::Bind()

@@ -1,6 +1,7 @@
 // The cuBLASLt plumbing shared by the GEMM handlers (see cublaslt.h).
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -201,12 +202,44 @@ ffi::Error GemmErrors::Cuda(const char* what, cudaError_t err) const {
       std::string(what) + " failed: " + cudaGetErrorString(err) + ".");
 }
 
+CaptureSafeSetup::CaptureSafeSetup()
+    : previous_(cudaStreamCaptureModeRelaxed),
+      exchanged_(cudaThreadExchangeStreamCaptureMode(&previous_) ==
+                 cudaSuccess) {}
+
+CaptureSafeSetup::~CaptureSafeSetup() {
+  if (exchanged_) cudaThreadExchangeStreamCaptureMode(&previous_);
+}
+
+namespace {
+std::atomic<int64_t> captured_calls{0}, captured_setups{0};
+}  // namespace
+
+CaptureCounts GemmCaptureCounts() {
+  return {captured_calls.load(), captured_setups.load()};
+}
+
+void CountGemmCall(bool capturing, bool did_setup) {
+  if (!capturing) return;
+  captured_calls.fetch_add(1);
+  if (did_setup) captured_setups.fetch_add(1);
+}
+
+bool StreamCapturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+         status != cudaStreamCaptureStatusNone;
+}
+
 ffi::Error LoadCublasLt(const GemmErrors& errors, const CublasLt** lt) {
   static std::once_flag once;
   static CublasLt library;
   static bool loaded = false;
   static std::string load_error;
-  std::call_once(once, [] { loaded = Load(&library, &load_error); });
+  std::call_once(once, [] {
+    const CaptureSafeSetup relaxed;
+    loaded = Load(&library, &load_error);
+  });
   if (!loaded) {
     return errors.FailAtRunTime(ffi::ErrorCode::kFailedPrecondition,
                                 load_error);
@@ -220,11 +253,8 @@ ffi::Error GetStreamDevice(cudaStream_t stream, const GemmErrors& errors,
 #if CUDART_VERSION >= 12080
   // While XLA captures the stream into a CUDA graph (command buffers),
   // cudaStreamGetDevice is not permitted; the calling thread's current
-  // device is the stream's then (XLA sets it). If the capture query itself
-  // fails, the current device is taken too.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-      capture == cudaStreamCaptureStatusNone) {
+  // device is the stream's then (XLA sets it).
+  if (!StreamCapturing(stream)) {
     if (cudaError_t err = cudaStreamGetDevice(stream, &device->ordinal);
         err != cudaSuccess) {
       return errors.Cuda("cudaStreamGetDevice", err);
@@ -318,13 +348,22 @@ bool AlgoKey::operator<(const AlgoKey& o) const {
 
 bool HandleAndAlgo(const MatmulDescriptors& desc, const AlgoKey& key,
                    cublasLtHandle_t* handle, cublasLtMatmulAlgo_t* algo,
-                   bool* found, CublasFailure& ok) {
+                   bool* found, CublasFailure& ok, bool* did_setup) {
   std::lock_guard<std::mutex> lock(cache_mutex);
   *found = false;
-  if (!DeviceHandle(*desc.lt, key.device, handle, ok)) return false;
   auto& algos = Algos();
-  if (auto it = algos.find(key); it != algos.end()) {
-    *algo = it->second;
+  const auto cached = algos.find(key);
+  if (Handles().count(key.device) && cached != algos.end()) {
+    *handle = Handles()[key.device];
+    *algo = cached->second;
+    *found = true;
+    return true;
+  }
+  if (did_setup) *did_setup = true;
+  const CaptureSafeSetup relaxed;
+  if (!DeviceHandle(*desc.lt, key.device, handle, ok)) return false;
+  if (cached != algos.end()) {
+    *algo = cached->second;
     *found = true;
     return true;
   }
@@ -357,3 +396,11 @@ CublasWorkspace AlignedCublasWorkspace(void* head_end,
 }
 
 }  // namespace jax_nvfp4
+
+// For jax_nvfp4._ffi.gemm_capture_counts (module.cc, compiled without the
+// CUDA headers).
+extern "C" void JaxNvfp4GemmCaptureCounts(int64_t* calls, int64_t* setups) {
+  const jax_nvfp4::CaptureCounts counts = jax_nvfp4::GemmCaptureCounts();
+  *calls = counts.captured_calls;
+  *setups = counts.captured_setups;
+}

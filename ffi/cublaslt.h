@@ -10,6 +10,13 @@
 //   then the dynamic loader's search for libcublasLt.so.13, .so.12, .so.
 // * One cuBLASLt handle per device and the algorithms chosen by cuBLASLt's
 //   heuristic, cached for the life of the process.
+// * CUDA graphs: XLA may call a handler for the first time while it captures
+//   the stream into a command buffer. The setup (dlopen, cublasLtCreate, the
+//   heuristic) enqueues nothing on the stream, but cublasLtCreate may
+//   allocate, which the capture's thread-local mode forbids; the setup runs
+//   with this thread's capture mode relaxed (CaptureSafeSetup), and what is
+//   enqueued (the alpha kernel, cublasLtMatmul on XLA's workspace) is
+//   capturable. CaptureCounts says how often that happened (for tests).
 // * The alpha kernel: alpha = (amax_a / 2688) * (amax_b / 2688) of each batch
 //   item, with IEEE division as in the CPU handler (XLA would turn a division
 //   by 2688 into an inexact multiplication), and beta = 0, written to the head
@@ -70,6 +77,35 @@ struct GemmErrors {
 // The library, loaded once per process; kFailedPrecondition (saying how to
 // install it) if it cannot be loaded or lacks a symbol.
 ffi::Error LoadCublasLt(const GemmErrors& errors, const CublasLt** lt);
+
+// Relaxes the calling thread's stream-capture mode for its lifetime
+// (cudaThreadExchangeStreamCaptureMode), so that one-time setup that may
+// allocate or query the device is legal inside a capture on this thread; a
+// no-op cost outside captures.
+class CaptureSafeSetup {
+ public:
+  CaptureSafeSetup();
+  ~CaptureSafeSetup();
+  CaptureSafeSetup(const CaptureSafeSetup&) = delete;
+  CaptureSafeSetup& operator=(const CaptureSafeSetup&) = delete;
+
+ private:
+  cudaStreamCaptureMode previous_;
+  bool exchanged_;
+};
+
+// How many GEMM handler calls ran while their stream was being captured into
+// a CUDA graph, and how many of those did the one-time setup (a handle or a
+// heuristic query) there; for tests (jax_nvfp4._ffi.gemm_capture_counts).
+struct CaptureCounts {
+  int64_t captured_calls = 0;
+  int64_t captured_setups = 0;
+};
+CaptureCounts GemmCaptureCounts();
+// Records one handler call; `capturing`: its stream was being captured.
+void CountGemmCall(bool capturing, bool did_setup);
+// Whether the stream is being captured (false if the query fails).
+bool StreamCapturing(cudaStream_t stream);
 
 // The device the stream belongs to and its compute capability.
 struct StreamDevice {
@@ -146,12 +182,14 @@ struct AlgoKey {
 
 // The device's cuBLASLt handle (created on first use, with that device
 // current) and the algorithm for the problem of `desc` (cached, else asked of
-// cuBLASLt's heuristic with the key's alignments and workspace). Returns
-// false when a cuBLASLt call failed (see `ok`); `found` is false when the
-// heuristic has no algorithm for the problem.
+// cuBLASLt's heuristic with the key's alignments and workspace), the setup
+// under CaptureSafeSetup. Returns false when a cuBLASLt call failed (see
+// `ok`); `found` is false when the heuristic has no algorithm for the
+// problem; `did_setup` (if given) is set when a handle was created or the
+// heuristic asked.
 bool HandleAndAlgo(const MatmulDescriptors& desc, const AlgoKey& key,
                    cublasLtHandle_t* handle, cublasLtMatmulAlgo_t* algo,
-                   bool* found, CublasFailure& ok);
+                   bool* found, CublasFailure& ok, bool* did_setup = nullptr);
 
 // Writes head[0] = beta = 0 and head[1 + i] = (a_amax[i * a_stride] / 2688) *
 // (b_amax[i * b_stride] / 2688) for i < count, on the stream.

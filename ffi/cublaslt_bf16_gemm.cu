@@ -174,10 +174,11 @@ ffi::Error MatmulBf16(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
                                      item_bytes(p.out_stride, out_bytes)})};
   cublasLtHandle_t handle;
   cublasLtMatmulAlgo_t algo;
-  bool found = false;
-  if (!HandleAndAlgo(desc, key, &handle, &algo, &found, ok)) {
+  bool found = false, did_setup = false;
+  if (!HandleAndAlgo(desc, key, &handle, &algo, &found, ok, &did_setup)) {
     return ok.Error(*lt, kErrors, Problem(p, out_type));
   }
+  CountGemmCall(StreamCapturing(stream), did_setup);
   if (!found) {
     return kErrors.FailAtRunTime(
         ffi::ErrorCode::kUnimplemented,
@@ -218,10 +219,14 @@ ffi::Error MatmulBf16(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
 
 namespace ffi = xla::ffi;
 
-// The default registration is not kCmdBufferCompatible: the first call per
-// device and per problem loads cuBLASLt, creates its handle and runs the
-// heuristic, which cuBLASLt does not promise to be legal inside a CUDA graph
-// capture.
+// Two registrations of the one handler. The default, "..._graph", is
+// kCmdBufferCompatible: XLA may record it into its command buffers (CUDA
+// graphs), so that a training step's kernels are replayed as graphs instead
+// of launched one by one from the host. What it enqueues is capturable (the
+// alpha kernel; cublasLtMatmul on the workspace XLA allocates) and its
+// one-time setup runs under CaptureSafeSetup (cublaslt.h). The plain
+// registration keeps XLA's command buffers around the GEMM
+// (JAX_NVFP4_GEMM_GRAPHS=0, cuda_gemm.py).
 #define JAX_NVFP4_MATMUL_BF16_BINDING                                 \
   ffi::Ffi::Bind()                                                    \
       .Ctx<ffi::PlatformStream<cudaStream_t>>() /* CUDA stream */     \
@@ -235,12 +240,6 @@ namespace ffi = xla::ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulBf16Cuda, jax_nvfp4::MatmulBf16,
                               JAX_NVFP4_MATMUL_BF16_BINDING);
 
-// The same handler declared safe for XLA's command buffers (CUDA graphs):
-// what it enqueues is capturable (the alpha kernel; cublasLtMatmul on the
-// workspace XLA allocates), but the setup above may then run inside a capture
-// (it did not break the runs measured on an H200, 2026-11-30). Opt-in,
-// JAX_NVFP4_GEMM_GRAPHS=1 (cuda_gemm.py), until the setup moves to an FFI
-// stage that runs outside capture.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulBf16GraphCuda,
                               jax_nvfp4::MatmulBf16,
                               JAX_NVFP4_MATMUL_BF16_BINDING,

@@ -31,6 +31,7 @@ XLA_FFI_Error* JaxNvfp4DecodeBf16Cuda(XLA_FFI_CallFrame*);
 #ifdef JAX_NVFP4_WITH_CUBLASLT
 XLA_FFI_Error* JaxNvfp4MatmulBf16Cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4MatmulBf16GraphCuda(XLA_FFI_CallFrame*);
+void JaxNvfp4GemmCaptureCounts(int64_t* calls, int64_t* setups);
 #endif
 #ifdef JAX_NVFP4_WITH_BLACKWELL_GEMM
 XLA_FFI_Error* JaxNvfp4MatmulFp4Sm100Cuda(XLA_FFI_CallFrame*);
@@ -135,6 +136,21 @@ NB_MODULE(_ffi, m) {
       },
       nb::arg("a"), nb::arg("b"), nb::arg("a_amax"), nb::arg("b_amax"),
       nb::arg("out"), nb::arg("workspace"));
+  // How many cuBLASLt GEMM handler calls ran inside a CUDA graph capture,
+  // and how many of them did the one-time setup there (cublaslt.h);
+  // None without the cuBLASLt handlers.
+  m.def("gemm_capture_counts", []() -> nb::object {
+#ifdef JAX_NVFP4_WITH_CUBLASLT
+    int64_t calls = 0, setups = 0;
+    JaxNvfp4GemmCaptureCounts(&calls, &setups);
+    nb::dict d;
+    d["captured_calls"] = calls;
+    d["captured_setups"] = setups;
+    return d;
+#else
+    return nb::none();
+#endif
+  });
   m.def("cuda_registrations", []() {
     nb::dict d;
 #ifdef JAX_NVFP4_WITH_CUDA

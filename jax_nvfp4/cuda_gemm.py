@@ -21,17 +21,18 @@ order) without (3)'s float32 [M, N] intermediate: one write of the output
 instead of a float32 write, a read and a second write. Its alpha is computed on
 the device with IEEE division, bit for bit the CPU handler's (in XLA a division
 by the constant 2688 may become an inexact multiplication by its reciprocal).
-By default XLA's command buffers (CUDA graphs) run around it.
+It is declared safe for XLA's command buffers, so that XLA can replay a
+step's kernels as CUDA graphs instead of launching each from the host; its
+one-time cuBLASLt setup runs with the thread's capture mode relaxed, so that
+it may happen inside a capture (``ffi/cublaslt.h``).
 
 Switches, read when a computation is lowered (set them before it is compiled):
 ``JAX_NVFP4_NATIVE_GEMM=0`` skips (1) and ``JAX_NVFP4_CUBLASLT_GEMM=0`` skips
 (2), e.g. to bypass a handler that fails on some GPU or cuBLAS version.
-``JAX_NVFP4_GEMM_GRAPHS=1`` lowers (2) to ``GRAPH_TARGET``, the same handler
-declared safe for XLA's command buffers, so that XLA can run the step's
-kernels as CUDA graphs instead of launching each from the host (on an H200,
-2026-11-30: the GEMM alone at 8192^3 went from 1.16x to 1.07x bf16's
-wall-clock time; not yet the default -- only part of the GPU tests ran with
-it).
+``JAX_NVFP4_GEMM_GRAPHS=0`` lowers (2) to ``TARGET``, the same handler not
+declared graph-safe, so that XLA's command buffers run around it (as before
+2026-11-30; on an H200 the GEMM alone at 8192^3 took 1.16x bf16's wall-clock
+time that way and 1.07x inside graphs).
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ __all__ = [
 ]
 
 TARGET = "jax_nvfp4_matmul_bf16"
-# The same handler declared safe for XLA's command buffers (CUDA graphs);
-# JAX_NVFP4_GEMM_GRAPHS=1 chooses it (measured, not yet the default).
+# The same handler declared safe for XLA's command buffers (CUDA graphs): the
+# default; JAX_NVFP4_GEMM_GRAPHS=0 chooses TARGET.
 GRAPH_TARGET = TARGET + "_graph"
 DECODE_TARGET = "jax_nvfp4_decode_bf16"
 _SWITCH = "JAX_NVFP4_CUBLASLT_GEMM"
@@ -176,7 +177,7 @@ def _call_handler(
     amaxes float32 [1 or batch] -> out [batch, M, N] of dtype (the workspace
     result is dropped)."""
     batch, m, _ = a.shape
-    target = GRAPH_TARGET if switch("JAX_NVFP4_GEMM_GRAPHS", False) else TARGET
+    target = GRAPH_TARGET if switch("JAX_NVFP4_GEMM_GRAPHS", True) else TARGET
     out, _ = jax.ffi.ffi_call(
         target,
         (

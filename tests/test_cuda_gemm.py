@@ -11,6 +11,12 @@ amaxes, bfloat16 and float32 output, odd shapes, empty problems -- and its
 errors."""
 
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 import types
 
 import jax
@@ -223,14 +229,14 @@ def test_lowers_to_one_handler_call_on_hopper(monkeypatch, case, dtype):
     monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS", raising=False)
     batch, m, n, k, b_batch, a_per_item, b_per_item = case
     args = _operands(2, *case)
-    # JAX_NVFP4_GEMM_GRAPHS=1: the same handler, allowed into CUDA graphs.
-    monkeypatch.setenv("JAX_NVFP4_GEMM_GRAPHS", "1")
+    # JAX_NVFP4_GEMM_GRAPHS=0: the same handler, kept out of CUDA graphs.
+    monkeypatch.setenv("JAX_NVFP4_GEMM_GRAPHS", "0")
     calls = _custom_calls(_lowered_for_cuda(args, dtype))
-    assert len(calls) == 1 and f"@{cuda_gemm.GRAPH_TARGET}(" in calls[0], calls
+    assert len(calls) == 1 and f"@{cuda_gemm.TARGET}(" in calls[0], calls
     monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS")
     text = _lowered_for_cuda(args, dtype)
     calls = _custom_calls(text)
-    assert len(calls) == 1 and f"@{cuda_gemm.TARGET}(" in calls[0], calls
+    assert len(calls) == 1 and f"@{cuda_gemm.GRAPH_TARGET}(" in calls[0], calls
     out = "bf16" if dtype == jnp.bfloat16 else "f32"
     ws = cuda_gemm.workspace_bytes(batch)
     a_n, b_n = (batch if a_per_item else 1), (b_batch if b_per_item else 1)
@@ -256,7 +262,7 @@ def test_hopper_lowering_decodes_with_the_handler_when_built(monkeypatch):
     calls = _custom_calls(_lowered_for_cuda(_operands(2, *CASES[1]), jnp.bfloat16))
     assert len(calls) == 3, calls
     decodes = [c for c in calls if f"@{cuda_gemm.DECODE_TARGET}(" in c]
-    assert len(decodes) == 2 and f"@{cuda_gemm.TARGET}(" in calls[2]
+    assert len(decodes) == 2 and f"@{cuda_gemm.GRAPH_TARGET}(" in calls[2]
     assert f"-> tensor<{batch}x{m}x{k}xbf16>" in decodes[0]
     assert f"-> tensor<{b_batch}x{n}x{k}xbf16>" in decodes[1]
 
@@ -547,7 +553,7 @@ def test_primitive_lowers_to_the_handler_on_gpu(monkeypatch):
         return primitives.matmul(*xs, dtype=jnp.bfloat16)
 
     text = jax.jit(f).lower(*args).as_text()
-    assert f"@{cuda_gemm.TARGET}(" in text
+    assert f"@{cuda_gemm.GRAPH_TARGET}(" in text  # the graph-safe default
     got = jax.jit(f)(*args)
     monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "0")
 
@@ -615,3 +621,56 @@ def test_handler_rejects_inconsistent_shapes_on_gpu():
         with pytest.raises(Exception, match=r"jax_nvfp4 \(matmul_bf16\): each amax"):
             call = jax.jit(_raw_call, static_argnums=(4,))
             jax.block_until_ready(call(a, b, jnp.ones(3, jnp.float32), amax, (2, 5, 7)))
+
+
+# Run in a fresh process (nothing set up yet), with XLA putting even a single
+# custom call into a command buffer: the GEMM's first call, cuBLASLt's setup
+# included, happens inside XLA's CUDA graph capture.
+_CAPTURE_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import jax, jax.numpy as jnp, numpy as np
+import test_cuda_gemm as t
+from jax_nvfp4 import _ffi, cuda_gemm
+
+gpu = jax.devices("gpu")[0]
+results = []
+for seed, case in enumerate(t.CASES[:3]):
+    args = t._operands(20 + seed, *case)
+    f = jax.jit(lambda *xs: cuda_gemm.matmul_bf16(*xs, dtype=jnp.float32))
+    on_gpu = [jax.device_put(x, gpu) for x in args]
+    first = np.asarray(f(*on_gpu))
+    again = np.asarray(f(*on_gpu))  # replayed
+    exact, bound = t._exact(*args)
+    t._assert_within(first, exact, bound, jnp.float32)
+    results.append(bool(np.array_equal(first, again)))
+print(json.dumps({{"replay_equal": results, **_ffi.gemm_capture_counts()}}))
+"""
+
+
+@pytest.mark.gpu
+def test_handler_runs_inside_cuda_graph_capture():
+    gpu = _bf16_gemm_gpu()
+    if cuda_gemm.gemm_path([gpu]) != "cublaslt_bf16":
+        pytest.skip("this GPU uses another GEMM (e.g. native FP4)")
+    env = dict(os.environ)
+    env.pop("JAX_NVFP4_GEMM_GRAPHS", None)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1"
+    ).strip()
+    script = _CAPTURE_SCRIPT.format(tests=str(pathlib.Path(__file__).parent))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tempfile.gettempdir(),  # the installed package, not the tree
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    assert data["replay_equal"] == [True] * 3, data
+    # The handler ran while XLA captured its graph, and at least its first
+    # call (a new problem in a new process) did cuBLASLt's setup there.
+    assert data["captured_calls"] >= 3, data
+    assert data["captured_setups"] >= 1, data
