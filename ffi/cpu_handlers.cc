@@ -123,8 +123,8 @@ void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
         uint64_t random_lo = 0, random_hi = 0;
         if (options.stochastic) {
           const uint32_t stream = static_cast<uint32_t>(options.stream);
-          random_lo = RandomBytes8(key0, key1, stream, first / 8);
-          random_hi = RandomBytes8(key0, key1, stream, first / 8 + 1);
+          RandomBytes16(key0, key1, stream, first / kBlock, &random_lo,
+                        &random_hi);
         }
         const uint64_t packed =
             EncodeBlock16(&q[r * len + kb * kBlock], multiplier,

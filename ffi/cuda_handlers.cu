@@ -213,10 +213,11 @@ __device__ __forceinline__ EncodedBlock EncodeBlock(
   const float multiplier = BlockEncodeMultiplier(scale.value, g);
   uint64_t packed;
   if (stochastic) {
-    const uint64_t w =
-        GlobalRandomIndex(out.origin, out.place, out.transposed, b, r, l) / 8;
-    const uint64_t random_lo = RandomBytes8(key0, key1, out.stream, w);
-    const uint64_t random_hi = RandomBytes8(key0, key1, out.stream, w + 1);
+    const uint64_t block =
+        GlobalRandomIndex(out.origin, out.place, out.transposed, b, r, l) /
+        kBlock;
+    uint64_t random_lo, random_hi;
+    RandomBytes16(key0, key1, out.stream, block, &random_lo, &random_hi);
     packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/true,
                                random_lo, random_hi, /*below_seven=*/false,
                                sign_bits);

@@ -319,56 +319,55 @@ NVFP4_HD float Float16BitsToFloat(uint16_t h) {
 }
 
 // ---------------------------------------------------------------------------
-// Stochastic-rounding bits: Threefry-2x32 (20 rounds), the counter-based
-// generator of jax.random, keyed by a JAX key's two words.
-// Element f (its flat index in the quantized layout, quantized axis last) of
-// stream `stream` uses byte (f % 8) of the output for the counter
-//   (c0, c1) = ((stream << 24) | ((f / 8) >> 32), (f / 8) mod 2^32),
-// bytes 0-3 from the first output word, 4-7 from the second, low byte first.
+// Stochastic-rounding bits: Philox-4x32-10 (Salmon et al. 2011, as in
+// Random123 and cuRAND), keyed by a JAX key's two words. The 16 elements of
+// block B (elements 16B .. 16B + 15 in the flat quantized layout, quantized
+// axis last) of stream `stream` take the 16 bytes of the output for the
+// counter (B mod 2^32, B / 2^32, stream, 0): element 16B + i takes byte
+// i % 4 of output word i / 4, low byte first. One call per block (a
+// Threefry-2x32 call gives 8 bytes: two per block, at twice the
+// instructions).
 // ---------------------------------------------------------------------------
 
-NVFP4_HD uint32_t RotateLeft(uint32_t v, int r) {
-  return (v << r) | (v >> (32 - r));
-}
-
-struct Threefry2x32Output {
-  uint32_t word0;
-  uint32_t word1;
+struct Philox4x32Output {
+  uint32_t word[4];
 };
 
-NVFP4_HD Threefry2x32Output Threefry2x32(uint32_t key0, uint32_t key1,
-                                         uint32_t c0, uint32_t c1) {
-  const uint32_t ks[3] = {key0, key1, key0 ^ key1 ^ 0x1BD11BDAu};
-  constexpr int kRotations[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
-  uint32_t x0 = c0 + ks[0];
-  uint32_t x1 = c1 + ks[1];
+NVFP4_HD Philox4x32Output Philox4x32(uint32_t key0, uint32_t key1, uint32_t c0,
+                                     uint32_t c1, uint32_t c2, uint32_t c3) {
+  constexpr uint32_t kMultiplier0 = 0xD2511F53u, kMultiplier1 = 0xCD9E8D57u;
+  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int group = 0; group < 5; ++group) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-    for (int r = 0; r < 4; ++r) {
-      x0 += x1;
-      x1 = RotateLeft(x1, kRotations[group & 1][r]);
-      x1 ^= x0;
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {  // the key schedule: a Weyl sequence
+      key0 += kWeyl0;
+      key1 += kWeyl1;
     }
-    x0 += ks[(group + 1) % 3];
-    x1 += ks[(group + 2) % 3] + static_cast<uint32_t>(group + 1);
+    const uint64_t p0 = static_cast<uint64_t>(kMultiplier0) * c0;
+    const uint64_t p1 = static_cast<uint64_t>(kMultiplier1) * c2;
+    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32);
+    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32);
+    c0 = hi1 ^ c1 ^ key0;
+    c1 = static_cast<uint32_t>(p1);
+    c2 = hi0 ^ c3 ^ key1;
+    c3 = static_cast<uint32_t>(p0);
   }
-  return {x0, x1};
+  return {{c0, c1, c2, c3}};
 }
 
-// The 8 random bytes of the elements 8*w .. 8*w+7 of a stream, low byte of
-// word0 first.
-NVFP4_HD uint64_t RandomBytes8(uint32_t key0, uint32_t key1, uint32_t stream,
-                               uint64_t w) {
-  const Threefry2x32Output out = Threefry2x32(
-      key0, key1, (stream << 24) | static_cast<uint32_t>((w >> 32) & 0xFFFFFFu),
-      static_cast<uint32_t>(w));
-  return static_cast<uint64_t>(out.word0) |
-         (static_cast<uint64_t>(out.word1) << 32);
+// The 16 random bytes of block `block` of a stream: elements 0-7 in
+// `*lo` and 8-15 in `*hi`, element i in byte i % 8, low byte first.
+NVFP4_HD void RandomBytes16(uint32_t key0, uint32_t key1, uint32_t stream,
+                            uint64_t block, uint64_t* lo, uint64_t* hi) {
+  const Philox4x32Output out =
+      Philox4x32(key0, key1, static_cast<uint32_t>(block),
+                 static_cast<uint32_t>(block >> 32), stream, 0u);
+  *lo = static_cast<uint64_t>(out.word[0]) |
+        (static_cast<uint64_t>(out.word[1]) << 32);
+  *hi = static_cast<uint64_t>(out.word[2]) |
+        (static_cast<uint64_t>(out.word[3]) << 32);
 }
 
 // ---------------------------------------------------------------------------

@@ -34,7 +34,8 @@ __all__ = [
 ]
 
 Implementation = Literal["ffi", "reference"]
-# Threefry counters hold f // 8 in 56 bits; the pure-JAX twin uses uint32.
+# The pure-JAX twin counts Philox's block counters f // 16 in uint32 (2^36
+# elements); the limit keeps a factor of two in hand.
 _MAX_STOCHASTIC_ELEMENTS = 2**35
 
 

@@ -25,13 +25,13 @@ __all__ = [
     "global_scale",
     "matmul",
     "matmul_dequantize_bf16",
+    "philox4x32",
     "quantize_cols",
     "quantize_rows",
     "quantize_rows_cols",
     "random_bytes",
     "random_hadamard16",
     "rht_matrix",
-    "threefry2x32",
 ]
 
 _F32 = np.float32
@@ -222,19 +222,26 @@ def random_hadamard16(q: jax.Array) -> jax.Array:
     return z.astype(jnp.bfloat16).astype(jnp.float32).reshape(q.shape)
 
 
-def threefry2x32(key0, key1, c0, c1):
-    """Threefry-2x32 with 20 rounds (the hash of jax.random), uint32 words."""
-    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
-    ks = (key0, key1, key0 ^ key1 ^ _u32(0x1BD11BDA))
-    x0, x1 = c0 + ks[0], c1 + ks[1]
-    for group in range(5):
-        for r in rotations[group % 2]:
-            x0 = x0 + x1
-            x1 = (x1 << _u32(r)) | (x1 >> _u32(32 - r))
-            x1 = x1 ^ x0
-        x0 = x0 + ks[(group + 1) % 3]
-        x1 = x1 + ks[(group + 2) % 3] + _u32(group + 1)
-    return x0, x1
+def _mulhilo(a, multiplier: int):
+    """(high, low) 32-bit words of the 64-bit product of uint32 ``a`` and a
+    constant, in uint32 arithmetic (16-bit limbs; no uint64 without x64)."""
+    m_lo, m_hi = _u32(multiplier & 0xFFFF), _u32(multiplier >> 16)
+    a_lo, a_hi = a & _u32(0xFFFF), a >> _u32(16)
+    p0, p1, p2 = a_lo * m_lo, a_lo * m_hi, a_hi * m_lo
+    mid = (p0 >> _u32(16)) + (p1 & _u32(0xFFFF)) + (p2 & _u32(0xFFFF))
+    high = a_hi * m_hi + (p1 >> _u32(16)) + (p2 >> _u32(16)) + (mid >> _u32(16))
+    return high, a * _u32(multiplier)
+
+
+def philox4x32(key0, key1, c0, c1, c2, c3):
+    """Philox-4x32-10 (Random123's, cuRAND's), uint32 words in and out."""
+    for round_ in range(10):
+        if round_:
+            key0, key1 = key0 + _u32(0x9E3779B9), key1 + _u32(0xBB67AE85)
+        hi0, lo0 = _mulhilo(c0, 0xD2511F53)
+        hi1, lo1 = _mulhilo(c2, 0xCD9E8D57)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ key0, lo1, hi0 ^ c3 ^ key1, lo0
+    return c0, c1, c2, c3
 
 
 def random_bytes(
@@ -247,8 +254,9 @@ def random_bytes(
 ):
     """uint8 random bytes for a quantized layout [batch, rows, len].
 
-    Element f = (b * rows + r) * len + l uses byte f % 8 of Threefry-2x32
-    keyed by key[b // (batch // n_key)] at counter (stream << 24, f // 8).
+    The 16-element block B = f // 16 holding element f = (b * rows + r) * len
+    + l gives it byte f % 4 of word (f % 16) // 4 of Philox-4x32-10 keyed by
+    key[b // (batch // n_key)] at counter (B, 0, stream, 0) (B < 2^32 here).
     For one shard of a larger tensor, ``origin`` = (b0, r0, l0) places it in
     the whole tensor of ``global_shape`` = (rows, len), and f is the flat
     index there (so every shard draws what one device would).
@@ -260,19 +268,22 @@ def random_bytes(
     g_rows, g_len = global_shape or (rows, length)
     o = jnp.zeros(3, jnp.uint32) if origin is None else origin.astype(jnp.uint32)
     n_key = key.shape[0]
-    # f // 8 = row * (len / 8) + (l0 + l) // 8 (len and l0 are multiples of 16).
+    # B = row * (len / 16) + (l0 + l) // 16 (len and l0 are multiples of 16).
     matrix = o[0] + lax.iota(jnp.uint32, batch)[:, None]
     if example_batch:
         matrix = matrix % _u32(example_batch)
     row = matrix * _u32(g_rows) + (o[1] + lax.iota(jnp.uint32, rows)[None, :])
-    col = (o[2] + lax.iota(jnp.uint32, length // 8)[None, None, :] * 8) // 8
-    w = (row[:, :, None] * _u32(g_len // 8) + col).reshape(batch, -1)
+    col = o[2] // _u32(16) + lax.iota(jnp.uint32, length // 16)[None, None, :]
+    block = (row[:, :, None] * _u32(g_len // 16) + col).reshape(batch, -1)
     k = jnp.repeat(key, batch // n_key, axis=0)
-    y0, y1 = threefry2x32(k[:, 0:1], k[:, 1:2], _u32(stream << 24), w)
+    zero = jnp.zeros_like(block)
+    words = philox4x32(k[:, 0:1], k[:, 1:2], block, zero, zero + _u32(stream), zero)
     shifts = _u32(np.arange(4) * 8)
-    b0 = (y0[..., None] >> shifts) & _u32(0xFF)
-    b1 = (y1[..., None] >> shifts) & _u32(0xFF)
-    return jnp.concatenate([b0, b1], axis=-1).astype(jnp.uint8).reshape(shape)
+    return (
+        jnp.concatenate([(w[..., None] >> shifts) & _u32(0xFF) for w in words], -1)
+        .astype(jnp.uint8)
+        .reshape(shape)
+    )
 
 
 def _quantize_oriented(

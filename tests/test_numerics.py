@@ -1,6 +1,7 @@
 """Element-level numerics: rounding against ml_dtypes, the generator against
-jax.random's Threefry, the Random Hadamard Transform, and the documented edge
-cases (through the handlers, compared with the reference)."""
+Philox-4x32-10's published known answers, the Random Hadamard Transform, and
+the documented edge cases (through the handlers, compared with the
+reference)."""
 
 import functools
 
@@ -132,13 +133,65 @@ def test_reference_division_is_correctly_rounded():
     assert same.all(), (a[~same][:4], b[~same][:4], got[~same][:4], want[~same][:4])
 
 
-def test_threefry_matches_jax_random():
-    key = jax.random.key_data(jax.random.key(42))
-    c0 = jnp.arange(64, dtype=jnp.uint32) * 77
-    c1 = jnp.arange(64, dtype=jnp.uint32) + 5
-    y0, y1 = ref.threefry2x32(key[0], key[1], c0, c1)
-    want = jax.extend.random.threefry_2x32(key, jnp.concatenate([c0, c1]))
-    np.testing.assert_array_equal(jnp.concatenate([y0, y1]), want)
+# Random123's known-answer vectors for Philox-4x32-10: (counter, key, output).
+PHILOX_KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (
+        (0xFFFFFFFF,) * 4,
+        (0xFFFFFFFF,) * 2,
+        (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD),
+    ),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+
+
+@pytest.mark.parametrize("counter,key,want", PHILOX_KNOWN_ANSWERS)
+def test_philox_matches_known_answers(counter, key, want):
+    words = [jnp.uint32(v) for v in (*key, *counter)]
+    got = jax.jit(ref.philox4x32)(*words)
+    assert [int(w) for w in got] == list(want)
+
+
+def _philox_numpy(key, counter):
+    """Philox-4x32-10 in numpy uint64 arithmetic (an independent form)."""
+    k = [np.uint64(v) for v in key]
+    c = [np.asarray(v, np.uint64) for v in counter]
+    mask = np.uint64(0xFFFFFFFF)
+    for round_ in range(10):
+        if round_:
+            k = [
+                (k[0] + np.uint64(0x9E3779B9)) & mask,
+                (k[1] + np.uint64(0xBB67AE85)) & mask,
+            ]
+        p0 = c[0] * np.uint64(0xD2511F53)
+        p1 = c[2] * np.uint64(0xCD9E8D57)
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k[0], p1 & mask,
+             (p0 >> np.uint64(32)) ^ c[3] ^ k[1], p0 & mask]  # fmt: skip
+    return c
+
+
+def test_random_bytes_follow_the_documented_counters():
+    """Element f of stream s takes byte f % 4 of word (f % 16) // 4 of
+    Philox(key, (f // 16, 0, s, 0)), f its flat index in the whole tensor."""
+    key = jax.random.key_data(jax.random.key(7))[None]
+    rows, length, stream = 6, 48, 3
+    origin = jnp.array([0, 2, 16], jnp.uint32)
+    got = np.asarray(
+        ref.random_bytes(key, (1, 3, 32), stream, origin, global_shape=(rows, length))
+    )
+    row, col = np.meshgrid(np.arange(2, 5), np.arange(16, 48), indexing="ij")
+    f = (row * length + col).astype(np.uint64)
+    zero = np.zeros_like(f)
+    words = _philox_numpy(
+        np.asarray(key[0]), (f // np.uint64(16), zero, zero + np.uint64(stream), zero)
+    )
+    word = np.choose(((f % np.uint64(16)) // np.uint64(4)).astype(int), words)
+    want = (word >> (np.uint64(8) * (f % np.uint64(4)))) & np.uint64(0xFF)
+    np.testing.assert_array_equal(got[0], want.astype(np.uint8))
 
 
 def test_rht_matrix_is_orthogonal_and_as_specified():
