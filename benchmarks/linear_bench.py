@@ -5,10 +5,11 @@
 
 Rows, in one run (median of CALLS calls of a jitted function that applies
 the op to REPEAT inputs, each call waited for; time per op; --pipelined: CALLS
-calls dispatched back to back and waited for once, as a training loop runs). The ops of one table are timed in
-turns, --rounds times, and each ratio to bf16 is taken within a round: the
-bf16 baseline moved up to 10% between device sessions, and interleaving
-keeps such drift out of the ratios (median, min and max over rounds):
+calls dispatched back to back and waited for once, as a training loop runs).
+The ops of one table are timed in turns, --rounds times, and each ratio to
+bf16 is taken within a round: the bf16 baseline moved up to 10% between
+device sessions, and interleaving keeps such drift out of the ratios
+(median, min and max over rounds):
   gemm bf16            jnp.dot, bf16 [S, S] x [S, S], float32 accumulation
   gemm nvfp4           jax_nvfp4.matmul from NVFP4 operands (Hopper: bf16
                        decode + bf16 GEMM)

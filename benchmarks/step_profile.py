@@ -30,15 +30,19 @@ import jax_nvfp4 as nv
 HOST = False  # --host: the host planes too (where each launch's host time goes)
 
 
+CALLS = 1  # --calls C: trace C calls dispatched back to back (no wait between)
+
+
 def trace_events(fn, *args, warmup=2):
-    """{(plane, line): [(event name, duration ns, start ns)]} of one traced
-    call after `warmup` untraced ones; the device planes, and with HOST the
-    host's lines too (XLA's thunk executions, the custom calls' handlers)."""
+    """{(plane, line): [(event name, duration ns, start ns)]} of CALLS traced
+    calls (dispatched back to back, waited for once) after `warmup` untraced
+    ones; the device planes, and with HOST the host's lines too (XLA's thunk
+    executions, the custom calls' handlers)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as directory:
         jax.profiler.start_trace(directory)
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready([fn(*args) for _ in range(CALLS)])
         jax.profiler.stop_trace()
         (path,) = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
         data = jax.profiler.ProfileData.from_file(path)
@@ -130,14 +134,21 @@ def main():
         "--repeat", type=int, default=1, help="GEMMs (or linear steps) per call"
     )
     parser.add_argument(
+        "--calls",
+        type=int,
+        default=1,
+        help="trace this many calls dispatched back to back (the gaps between "
+        "calls show in the largest gaps)",
+    )
+    parser.add_argument(
         "--host",
         action="store_true",
         help="also summarize the host's trace lines (time spent launching)",
     )
     parser.add_argument("--out")
     args = parser.parse_args()
-    global HOST
-    HOST = args.host
+    global HOST, CALLS
+    HOST, CALLS = args.host, args.calls
     if args.gemm:
         return trace_gemm(args.gemm, args.out, args.repeat)
     tokens, k, n = map(int, args.linear.split("x"))
@@ -162,6 +173,7 @@ def main():
     result = {
         "shape": args.linear,
         "repeat": args.repeat,
+        "calls": args.calls,
         "device": str(jax.devices()[0]),
     }
     warmup = 20 if args.repeat > 1 else 2
