@@ -992,6 +992,37 @@ struct AmaxArgs {
   float* out;  // [batch, 2]
 };
 
+// The CTA's maxima of its threads' (plain, transformed) into out[0..1]: a
+// warp and a block reduction, then one atomicMax per output (every value is
+// >= +0 and not NaN, so the float maximum is the maximum of the bit
+// patterns). Every thread of the CTA calls it.
+__device__ __forceinline__ void StoreAmaxPair(float plain, float transformed,
+                                              float* out) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    plain = fmaxf(plain, __shfl_xor_sync(0xFFFFFFFFu, plain, offset));
+    transformed =
+        fmaxf(transformed, __shfl_xor_sync(0xFFFFFFFFu, transformed, offset));
+  }
+  __shared__ float partial[2][kThreads / 32];
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+    partial[0][warp] = plain;
+    partial[1][warp] = transformed;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 1; i < kThreads / 32; ++i) {
+      plain = fmaxf(plain, partial[0][i]);
+      transformed = fmaxf(transformed, partial[1][i]);
+    }
+    unsigned int* bits = reinterpret_cast<unsigned int*>(out);
+    atomicMax(bits, FloatBits(plain));
+    atomicMax(bits + 1, FloatBits(transformed));
+  }
+}
+
 template <InType T, bool kAlongK>
 __global__ void __launch_bounds__(kThreads) AmaxKernel(const AmaxArgs args) {
   const int64_t b = blockIdx.x / args.ctas_per_batch;
@@ -1031,30 +1062,7 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const AmaxArgs args) {
       transformed = fmaxf(transformed, fabsf(y[i]));
     }
   }
-  // Block reduction, then one atomic per output.
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    plain = fmaxf(plain, __shfl_xor_sync(0xFFFFFFFFu, plain, offset));
-    transformed =
-        fmaxf(transformed, __shfl_xor_sync(0xFFFFFFFFu, transformed, offset));
-  }
-  __shared__ float partial[2][kThreads / 32];
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) {
-    partial[0][warp] = plain;
-    partial[1][warp] = transformed;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int i = 1; i < kThreads / 32; ++i) {
-      plain = fmaxf(plain, partial[0][i]);
-      transformed = fmaxf(transformed, partial[1][i]);
-    }
-    unsigned int* out = reinterpret_cast<unsigned int*>(args.out + 2 * b);
-    atomicMax(out, FloatBits(plain));
-    atomicMax(out + 1, FloatBits(transformed));
-  }
+  StoreAmaxPair(plain, transformed, args.out + 2 * b);
 }
 
 // ---------------------------------------------------------------------------
@@ -1107,18 +1115,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         // HadamardButterfly16's stages h = 1, 2, 4; then the last one's
         // maxima.
-#pragma unroll
-        for (int h = 1; h < kBlock / 2; h <<= 1) {
-#pragma unroll
-          for (int i = 0; i < kBlock; ++i) {
-            if ((i & h) == 0) {
-              const float a = z[i];
-              const float bb = z[i + h];
-              z[i] = a + bb;
-              z[i + h] = a - bb;
-            }
-          }
-        }
+        ButterflyStages(z, /*end=*/kBlock / 2);
 #pragma unroll
         for (int i = 0; i < kBlock / 2; ++i) {
           transformed = fmaxf(transformed, fabsf(z[i]) + fabsf(z[i + 8]));
@@ -1127,29 +1124,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   transformed = __bfloat162float(__float2bfloat16_rn(transformed));
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    plain = fmaxf(plain, __shfl_xor_sync(0xFFFFFFFFu, plain, offset));
-    transformed =
-        fmaxf(transformed, __shfl_xor_sync(0xFFFFFFFFu, transformed, offset));
-  }
-  __shared__ float partial[2][kThreads / 32];
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 == 0) {
-    partial[0][warp] = plain;
-    partial[1][warp] = transformed;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int i = 1; i < kThreads / 32; ++i) {
-      plain = fmaxf(plain, partial[0][i]);
-      transformed = fmaxf(transformed, partial[1][i]);
-    }
-    unsigned int* out = reinterpret_cast<unsigned int*>(args.out + 2 * b);
-    atomicMax(out, FloatBits(plain));
-    atomicMax(out + 1, FloatBits(transformed));
-  }
+  StoreAmaxPair(plain, transformed, args.out + 2 * b);
 }
 
 // ---------------------------------------------------------------------------

@@ -248,14 +248,14 @@ NVFP4_HD float RoundToBfloat16(float f) {
   return BitsToFloat(bits);
 }
 
-// Stages h = 1, 2, 4, 8 of the radix-2 fast Walsh-Hadamard butterfly on z,
-// in place: each replaces the pair (z_i, z_{i+h}), i & h == 0, by
-// (z_i + z_{i+h}, z_i - z_{i+h}).
-NVFP4_HD void ButterflyStages(float z[kBlock]) {
+// Stages h = 1, 2, 4, 8 (those below `end`) of the radix-2 fast
+// Walsh-Hadamard butterfly on z, in place: each replaces the pair (z_i,
+// z_{i+h}), i & h == 0, by (z_i + z_{i+h}, z_i - z_{i+h}).
+NVFP4_HD void ButterflyStages(float z[kBlock], int end = kBlock) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int h = 1; h < kBlock; h <<= 1) {
+  for (int h = 1; h < end; h <<= 1) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
