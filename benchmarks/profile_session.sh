@@ -4,10 +4,11 @@
 #      pipe utilization) at 16384 x 8192;
 #   2. the kernels of one linear forward+backward step, bf16 and jax_nvfp4
 #      (benchmarks/step_profile.py, a jax.profiler trace), per shape in
-#      STEP_SHAPES (STEP_HOST=1: the host's lines too; STEP_REPEAT=R: R steps per call after
-#      20 untraced calls, as linear_bench times them); 3. with GEMM_TRACE=S,
-#      the same trace of the GEMM alone at S^3.
-# SKIP_NCU=1 leaves step 1 out. Writes 3 files per call plus one per shape ($OUT brings back 8 at most).
+#      STEP_SHAPES (STEP_HOST=1: the host's lines too; STEP_REPEAT=R: R
+#      steps per call after 20 untraced calls, as linear_bench times them);
+#   3. with GEMM_TRACE=S, the same trace of the GEMM alone at S^3.
+# SKIP_NCU=1 leaves step 1 out. Writes 3 files per call plus one per shape
+# ($OUT brings back 8 at most).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -71,17 +71,15 @@ def summarize(lines, top=25):
         # kernels (launch latency, host work of custom calls).
         span = max(t + ns for _, ns, t in events) - min(t for _, _, t in events)
         ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-        # The idle gaps between consecutive events (where the line waits for
-        # a launch), largest first, each named by the event after it.
-        ordered = sorted(events, key=lambda e: e[2])
-        gaps = sorted(
-            (
-                (nxt[2] - (cur[2] + cur[1]), nxt[0])
-                for cur, nxt in zip(ordered, ordered[1:], strict=False)
-                if nxt[2] > cur[2] + cur[1]
-            ),
-            reverse=True,
-        )
+        # The idle gaps (where the line waits for a launch): the time from
+        # the latest end so far to the next start, largest first, each named
+        # by the event after it (overlapping events leave no gap).
+        gaps, end = [], None
+        for name, ns, t in sorted(events, key=lambda e: e[2]):
+            if end is not None and t > end:
+                gaps.append((t - end, name))
+            end = t + ns if end is None else max(end, t + ns)
+        gaps.sort(reverse=True)
         out[line] = {
             "total_us": total / 1e3,
             "span_us": span / 1e3,

@@ -254,7 +254,8 @@ ffi::Error GetStreamDevice(cudaStream_t stream, const GemmErrors& errors,
   // While XLA captures the stream into a CUDA graph (command buffers),
   // cudaStreamGetDevice is not permitted; the calling thread's current
   // device is the stream's then (XLA sets it).
-  if (!StreamCapturing(stream)) {
+  device->capturing = StreamCapturing(stream);
+  if (!device->capturing) {
     if (cudaError_t err = cudaStreamGetDevice(stream, &device->ordinal);
         err != cudaSuccess) {
       return errors.Cuda("cudaStreamGetDevice", err);
@@ -264,7 +265,7 @@ ffi::Error GetStreamDevice(cudaStream_t stream, const GemmErrors& errors,
     return errors.Cuda("cudaGetDevice", err);
   }
 #else
-  (void)stream;
+  device->capturing = StreamCapturing(stream);
   if (cudaError_t err = cudaGetDevice(&device->ordinal); err != cudaSuccess) {
     return errors.Cuda("cudaGetDevice", err);
   }

@@ -112,6 +112,7 @@ struct StreamDevice {
   int ordinal = 0;
   int major = 0;
   int minor = 0;
+  bool capturing = false;  // the stream is being captured into a CUDA graph
 };
 ffi::Error GetStreamDevice(cudaStream_t stream, const GemmErrors& errors,
                            StreamDevice* device);

@@ -178,7 +178,7 @@ ffi::Error MatmulBf16(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
   if (!HandleAndAlgo(desc, key, &handle, &algo, &found, ok, &did_setup)) {
     return ok.Error(*lt, kErrors, Problem(p, out_type));
   }
-  CountGemmCall(StreamCapturing(stream), did_setup);
+  CountGemmCall(device.capturing, did_setup);
   if (!found) {
     return kErrors.FailAtRunTime(
         ffi::ErrorCode::kUnimplemented,

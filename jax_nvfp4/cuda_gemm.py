@@ -31,8 +31,8 @@ Switches, read when a computation is lowered (set them before it is compiled):
 (2), e.g. to bypass a handler that fails on some GPU or cuBLAS version.
 ``JAX_NVFP4_GEMM_GRAPHS=0`` lowers (2) to ``TARGET``, the same handler not
 declared graph-safe, so that XLA's command buffers run around it (as before
-2026-11-30; on an H200 the GEMM alone at 8192^3 took 1.16x bf16's wall-clock
-time that way and 1.07x inside graphs).
+2026-11-30; on an H200 the GEMM alone at 8192^3 took 1.12-1.16x bf16's
+wall-clock time either way, 1.07x in one run inside graphs).
 """
 
 from __future__ import annotations

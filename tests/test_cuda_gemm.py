@@ -672,7 +672,8 @@ def test_handler_runs_inside_cuda_graph_capture():
     assert out.returncode == 0, out.stderr[-4000:]
     data = json.loads(out.stdout.strip().splitlines()[-1])
     assert data["replay_equal"] == [True] * 3, data
-    # The handler ran while XLA captured its graph (its results replayed),
-    # with the setup done there or before.
+    # The handler ran while XLA captured its graph, and the graph's replay
+    # gave the same results. Whether its setup ran inside the capture
+    # (captured_setups) depends on XLA; with jax 0.11.2 it did not, so that
+    # path of CaptureSafeSetup has not been exercised by a test.
     assert data["captured_calls"] >= 3, data
-    assert 0 <= data["captured_setups"] <= data["captured_calls"], data
