@@ -1,7 +1,7 @@
 """FP4 GEMM and the NVFP4 linear layer (forward + backward) against bf16.
 
     python benchmarks/linear_bench.py [--out results.json] [--hlo-dir DIR] [--rounds 3]
-                                      [--pipelined]
+                                      [--pipelined] [--ops nvfp4,...]
 
 Rows, in one run (median of CALLS calls of a jitted function that applies
 the op to REPEAT inputs, each call waited for; time per op; --pipelined: CALLS
@@ -9,7 +9,8 @@ calls dispatched back to back and waited for once, as a training loop runs).
 The ops of one table are timed in turns, --rounds times, and each ratio to
 bf16 is taken within a round: the bf16 baseline moved up to 10% between
 device sessions, and interleaving keeps such drift out of the ratios
-(median, min and max over rounds):
+(median, min and max over rounds; every sample is kept in --out's JSON;
+--ops times only the named ops next to bf16):
   gemm bf16            jnp.dot, bf16 [S, S] x [S, S], float32 accumulation
   gemm nvfp4           jax_nvfp4.matmul from NVFP4 operands (Hopper: bf16
                        decode + bf16 GEMM)
@@ -58,17 +59,19 @@ def timer(fn, inputs):
         jax.block_until_ready([run(inputs) for _ in range(CALLS)])
 
     def measure():
+        """(seconds per op, the samples it is the median of)."""
         if PIPELINED:
             start = time.perf_counter()
             outs = [run(inputs) for _ in range(CALLS)]
             jax.block_until_ready(outs)
-            return (time.perf_counter() - start) / (CALLS * len(inputs))
+            t = (time.perf_counter() - start) / (CALLS * len(inputs))
+            return t, [t]
         samples = []
         for _ in range(CALLS):
             start = time.perf_counter()
             jax.block_until_ready(run(inputs))
             samples.append((time.perf_counter() - start) / len(inputs))
-        return statistics.median(samples)
+        return statistics.median(samples), samples
 
     return measure
 
@@ -76,24 +79,36 @@ def timer(fn, inputs):
 def interleaved(timers, rounds):
     """Times every op once per round, the ops taking turns, so that a drift
     of the device (clocks, temperature, neighbours) shows in all of them
-    alike. Returns {name: [seconds per round]}; an op whose timer could not be
-    built (None) gets NaNs."""
-    times = {name: [] for name in timers}
+    alike. Returns {name: [(seconds per round, its samples)]}; an op whose
+    timer could not be built (None) gets NaNs. With OPS, only those ops (and
+    the bf16 baseline) are timed."""
+    times = {name: [] for name in timers if _selected(name)}
     for _ in range(rounds):
-        for name, measure in timers.items():
-            times[name].append(measure() if measure else float("nan"))
+        for name in times:
+            measure = timers[name]
+            times[name].append(measure() if measure else (float("nan"), []))
     return times
+
+
+OPS = None  # --ops: the op names (last word: bf16, nvfp4, ...) to time
+
+
+def _selected(name):
+    return OPS is None or name.split()[-1] in OPS | {"bf16"}
 
 
 def _ratio_summary(times, base):
     """Median time per op and the per-round ratio to `base` (min, median,
     max): the ratio of the same round is what drift cancels out of."""
     out = {}
-    for name, ts in times.items():
-        ratios = [t / b for t, b in zip(ts, times[base], strict=True)]
+    medians = {name: [t for t, _ in rounds] for name, rounds in times.items()}
+    for name, ts in medians.items():
+        ratios = [t / b for t, b in zip(ts, medians[base], strict=True)]
         out[name] = {
             "ms": statistics.median(ts) * 1e3,
             "ms_per_round": [t * 1e3 for t in ts],
+            # every sample of every round (per op; diagnoses bimodal timings)
+            "samples_ms": [[s * 1e3 for s in samples] for _, samples in times[name]],
             "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
@@ -141,11 +156,12 @@ def bench_gemm(s, rounds, hlo_dir=None):
         text = jax.jit(nv.matmul).lower(*quantized[0]).compile().as_text()
         with open(f"{hlo_dir}/gemm_nvfp4_{s}.hlo.txt", "w") as f:
             f.write(text)
-    timers = {
-        "gemm bf16": timer(jnp.dot, pairs),
-        "gemm nvfp4": timer(nv.matmul, quantized),
-        "gemm scaled_matmul": _try(lambda: timer(_scaled_dot, pairs), None),
+    builders = {
+        "gemm bf16": lambda: timer(jnp.dot, pairs),
+        "gemm nvfp4": lambda: timer(nv.matmul, quantized),
+        "gemm scaled_matmul": lambda: _try(lambda: timer(_scaled_dot, pairs), None),
     }
+    timers = {name: build() for name, build in builders.items() if _selected(name)}
     return _ratio_summary(interleaved(timers, rounds), "gemm bf16")
 
 
@@ -195,6 +211,7 @@ def bench_linear(tokens, k, n, rounds, hlo_dir=None):
         "fake-quant": lambda x, w: nv.dot(x, w, key=key, recipe=fake),
         "scaled_dot": _scaled_dot,
     }
+    dots = {name: d for name, d in dots.items() if _selected(name)}
     timers = {
         f"linear {name}": _try(lambda d=d: timer(step(d), inputs), None)
         for name, d in dots.items()
@@ -242,14 +259,20 @@ def main():
         "are taken within a round (median, min and max are reported)",
     )
     parser.add_argument(
+        "--ops",
+        help="comma-separated ops to time besides bf16 (nvfp4, scaled_matmul, "
+        "fake-quant, scaled_dot); default all",
+    )
+    parser.add_argument(
         "--pipelined",
         action="store_true",
         help="time calls dispatched back to back, waited for once (as a "
         "training loop runs), instead of waiting for each call",
     )
     args = parser.parse_args()
-    global PIPELINED
+    global PIPELINED, OPS
     PIPELINED = args.pipelined
+    OPS = set(args.ops.split(",")) if args.ops else None
     print(
         f"device: {jax.devices()[0].device_kind} | jax {jax.__version__} | "
         f"{'pipelined' if PIPELINED else 'each call waited for'}"
@@ -279,6 +302,7 @@ def main():
                     "rounds": args.rounds,
                     "calls_per_measurement": CALLS,
                     "pipelined": PIPELINED,
+                    "ops": sorted(OPS) if OPS else "all",
                     "results": results,
                 },
                 f,
