@@ -59,13 +59,16 @@ def timer(fn, inputs):
         jax.block_until_ready([run(inputs) for _ in range(CALLS)])
 
     def measure():
-        """(seconds per op, the samples it is the median of)."""
+        """(seconds per op, the samples it is the median of; pipelined: [the
+        time per op, the part of it the host spent dispatching])."""
         if PIPELINED:
             start = time.perf_counter()
             outs = [run(inputs) for _ in range(CALLS)]
+            dispatched = time.perf_counter()
             jax.block_until_ready(outs)
-            t = (time.perf_counter() - start) / (CALLS * len(inputs))
-            return t, [t]
+            ops = CALLS * len(inputs)
+            t = (time.perf_counter() - start) / ops
+            return t, [t, (dispatched - start) / ops]
         samples = []
         for _ in range(CALLS):
             start = time.perf_counter()

@@ -18,6 +18,7 @@ import argparse
 import collections
 import glob
 import json
+import os
 import sys
 import tempfile
 
@@ -139,12 +140,23 @@ def main():
         "calls show in the largest gaps)",
     )
     parser.add_argument(
+        "--graphs-in-trace",
+        action="store_true",
+        help="keep XLA's CUDA graphs while tracing (XLA runs the thunks one by "
+        "one under a profiler unless told otherwise)",
+    )
+    parser.add_argument(
         "--host",
         action="store_true",
         help="also summarize the host's trace lines (time spent launching)",
     )
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.graphs_in_trace:  # before the backend starts (XLA reads it then)
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + " --xla_enable_command_buffers_during_profiling=true"
+        ).strip()
     global HOST, CALLS
     HOST, CALLS = args.host, args.calls
     if args.gemm:
