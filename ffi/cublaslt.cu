@@ -347,6 +347,12 @@ bool AlgoKey::operator<(const AlgoKey& o) const {
                   o.workspace, o.align_a, o.align_b, o.align_d);
 }
 
+void ForgetGemmSetup() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  Handles().clear();
+  Algos().clear();
+}
+
 bool HandleAndAlgo(const MatmulDescriptors& desc, const AlgoKey& key,
                    cublasLtHandle_t* handle, cublasLtMatmulAlgo_t* algo,
                    bool* found, CublasFailure& ok, bool* did_setup) {
@@ -400,6 +406,8 @@ CublasWorkspace AlignedCublasWorkspace(void* head_end,
 
 // For jax_nvfp4._ffi.gemm_capture_counts (module.cc, compiled without the
 // CUDA headers).
+extern "C" void JaxNvfp4ForgetGemmSetup() { jax_nvfp4::ForgetGemmSetup(); }
+
 extern "C" void JaxNvfp4GemmCaptureCounts(int64_t* calls, int64_t* setups) {
   const jax_nvfp4::CaptureCounts counts = jax_nvfp4::GemmCaptureCounts();
   *calls = counts.captured_calls;

@@ -104,6 +104,9 @@ struct CaptureCounts {
 CaptureCounts GemmCaptureCounts();
 // Records one handler call; `capturing`: its stream was being captured.
 void CountGemmCall(bool capturing, bool did_setup);
+// For tests: forgets every cached handle and algorithm, so that the next
+// call does the whole setup again (the handles are leaked, not destroyed).
+void ForgetGemmSetup();
 // Whether the stream is being captured (false if the query fails).
 bool StreamCapturing(cudaStream_t stream);
 

@@ -32,6 +32,7 @@ XLA_FFI_Error* JaxNvfp4DecodeBf16Cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4MatmulBf16Cuda(XLA_FFI_CallFrame*);
 XLA_FFI_Error* JaxNvfp4MatmulBf16GraphCuda(XLA_FFI_CallFrame*);
 void JaxNvfp4GemmCaptureCounts(int64_t* calls, int64_t* setups);
+void JaxNvfp4ForgetGemmSetup();
 #endif
 #ifdef JAX_NVFP4_WITH_BLACKWELL_GEMM
 XLA_FFI_Error* JaxNvfp4MatmulFp4Sm100Cuda(XLA_FFI_CallFrame*);
@@ -149,6 +150,17 @@ NB_MODULE(_ffi, m) {
     return d;
 #else
     return nb::none();
+#endif
+  });
+  // For tests: the cuBLASLt GEMM handlers forget their cached handles and
+  // algorithms (leaking the handles), so that the next call sets up again;
+  // False without the cuBLASLt handlers.
+  m.def("forget_gemm_setup", []() {
+#ifdef JAX_NVFP4_WITH_CUBLASLT
+    JaxNvfp4ForgetGemmSetup();
+    return true;
+#else
+    return false;
 #endif
   });
   m.def("cuda_registrations", []() {

@@ -623,11 +623,13 @@ def test_handler_rejects_inconsistent_shapes_on_gpu():
             jax.block_until_ready(call(a, b, jnp.ones(3, jnp.float32), amax, (2, 5, 7)))
 
 
-# Run in a fresh process (nothing set up yet), with XLA putting even a single
-# custom call into a command buffer. (jax 0.11.2 runs the handler once outside
-# the capture before it records the graph, so cuBLASLt's setup happened there
-# on the H200, 2026-11-30: captured_setups 0; CaptureSafeSetup covers XLA
-# versions that record first.)
+# Run in a fresh process, with XLA putting even a single custom call into a
+# command buffer. Phase 1: first calls (jax 0.11.2 runs the handler once
+# outside the capture before it records the graph, so cuBLASLt's setup
+# happened there on the H200, 2026-11-30). Phase 2: the handler forgets its
+# handles and algorithms, and new operands (new addresses) make XLA capture
+# the handler again: the setup then runs inside the capture
+# (CaptureSafeSetup).
 _CAPTURE_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
@@ -636,17 +638,26 @@ import test_cuda_gemm as t
 from jax_nvfp4 import _ffi, cuda_gemm
 
 gpu = jax.devices("gpu")[0]
-results = []
+f = jax.jit(lambda *xs: cuda_gemm.matmul_bf16(*xs, dtype=jnp.float32))
+results, alive = [], []  # phase 1's operands stay alive: new addresses below
 for seed, case in enumerate(t.CASES[:3]):
     args = t._operands(20 + seed, *case)
-    f = jax.jit(lambda *xs: cuda_gemm.matmul_bf16(*xs, dtype=jnp.float32))
     on_gpu = [jax.device_put(x, gpu) for x in args]
+    alive.append(on_gpu)
     first = np.asarray(f(*on_gpu))
     again = np.asarray(f(*on_gpu))  # replayed
     exact, bound = t._exact(*args)
     t._assert_within(first, exact, bound, jnp.float32)
     results.append(bool(np.array_equal(first, again)))
-print(json.dumps({{"replay_equal": results, **_ffi.gemm_capture_counts()}}))
+phase1 = _ffi.gemm_capture_counts()
+_ffi.forget_gemm_setup()
+for seed, case in enumerate(t.CASES[:3]):
+    args = t._operands(40 + seed, *case)
+    got = np.asarray(f(*[jax.device_put(x, gpu) for x in args]))
+    exact, bound = t._exact(*args)
+    t._assert_within(got, exact, bound, jnp.float32)
+print(json.dumps({{"replay_equal": results, "phase1": phase1,
+                  "phase2": _ffi.gemm_capture_counts()}}))
 """
 
 
@@ -672,8 +683,14 @@ def test_handler_runs_inside_cuda_graph_capture():
     assert out.returncode == 0, out.stderr[-4000:]
     data = json.loads(out.stdout.strip().splitlines()[-1])
     assert data["replay_equal"] == [True] * 3, data
-    # The handler ran while XLA captured its graph, and the graph's replay
-    # gave the same results. Whether its setup ran inside the capture
-    # (captured_setups) depends on XLA; with jax 0.11.2 it did not, so that
-    # path of CaptureSafeSetup has not been exercised by a test.
-    assert data["captured_calls"] >= 3, data
+    # Phase 1: the handler ran while XLA captured its graph, and the graph's
+    # replay gave the same results.
+    assert data["phase1"]["captured_calls"] >= 3, data
+    # Phase 2: re-captured for new operands after forgetting its setup, the
+    # handler created its handle and ran the heuristic inside the capture,
+    # and its results were right (asserted in the script).
+    new_setups = data["phase2"]["captured_setups"] - data["phase1"]["captured_setups"]
+    assert new_setups >= 1, (
+        "XLA did not capture the GEMM again for new operands, so the setup "
+        f"inside a capture was not exercised: {data}"
+    )
