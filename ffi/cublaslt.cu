@@ -404,8 +404,8 @@ CublasWorkspace AlignedCublasWorkspace(void* head_end,
 
 }  // namespace jax_nvfp4
 
-// For jax_nvfp4._ffi.gemm_capture_counts (module.cc, compiled without the
-// CUDA headers).
+// For jax_nvfp4._ffi.forget_gemm_setup and gemm_capture_counts (module.cc,
+// compiled without the CUDA headers).
 extern "C" void JaxNvfp4ForgetGemmSetup() { jax_nvfp4::ForgetGemmSetup(); }
 
 extern "C" void JaxNvfp4GemmCaptureCounts(int64_t* calls, int64_t* setups) {
