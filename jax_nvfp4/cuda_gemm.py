@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import _ffi_registry, blackwell, reference
+from jax_nvfp4.format import holds_values
 
 __all__ = [
     "TARGET",
@@ -198,8 +199,6 @@ def matmul_bf16(
     *,
     dtype: Any,
     decode_handler: bool = False,
-    a_decoded: bool = False,
-    b_decoded: bool = False,
 ) -> jax.Array:
     """The matmul primitive on the cuBLASLt bf16 GEMM: out [batch, M, N].
 
@@ -211,12 +210,13 @@ def matmul_bf16(
     run, with a message). decode_handler: decode the operands with the CUDA
     handler (``decode_bf16_cuda``; ``matmul_cuda`` sets it when the handler is
     built) instead of XLA's fusion of ``decode_bf16`` -- same values.
-    a_decoded / b_decoded: that operand's codes are already its bfloat16
-    values [batch, rows, K] (the fused quantize's decoded output).
+    An operand whose codes are bfloat16 already holds its values [batch,
+    rows, K] (the fused quantize's decoded output; ``holds_values``).
     """
     dtype = np.dtype(dtype)
     if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
         raise TypeError(f"dtype must be bfloat16 or float32, got {dtype}")
+    a_decoded, b_decoded = holds_values(a_codes), holds_values(b_codes)
     if not (a_decoded or b_decoded):  # (decoded operands: checked by matmul)
         blackwell._check_operands(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax)
     decode = decode_bf16_cuda if decode_handler else decode_bf16
@@ -244,22 +244,20 @@ def matmul_cuda(
     b_amax: jax.Array,
     *,
     dtype: Any,
-    a_decoded: bool = False,
-    b_decoded: bool = False,
 ) -> jax.Array:
     """The matmul primitive's CUDA implementation, chosen when it is lowered
     (``gemm_path``): native FP4 on Blackwell, the cuBLASLt bf16 GEMM with alpha
     in the epilogue on other GPUs, XLA's bf16 GEMM where neither applies.
     Decoded operands (bfloat16 e2m1 * scale) take a bf16 GEMM on any GPU."""
     path = gemm_path()
-    decoded = dict(a_decoded=a_decoded, b_decoded=b_decoded)
-    if path == "cublaslt_bf16" or (path == "native_fp4" and (a_decoded or b_decoded)):
+    decoded = holds_values(a_codes) or holds_values(b_codes)
+    if path == "cublaslt_bf16" or (path == "native_fp4" and decoded):
         cuda_targets = _ffi_registry.registered_targets().get("cuda", frozenset())
         fn = functools.partial(
-            matmul_bf16, decode_handler=DECODE_TARGET in cuda_targets, **decoded
+            matmul_bf16, decode_handler=DECODE_TARGET in cuda_targets
         )
     elif path == "native_fp4":
         fn = blackwell.matmul_native
     else:
-        fn = functools.partial(reference.matmul_dequantize_bf16, **decoded)
+        fn = reference.matmul_dequantize_bf16
     return fn(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype)

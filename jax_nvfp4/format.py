@@ -47,6 +47,12 @@ Block = Literal["1x16", "16x16"]
 Rounding = Literal["nearest", "stochastic"]
 
 
+def holds_values(codes) -> bool:
+    """Whether a GEMM operand's ``codes`` array holds its bfloat16 values e2m1
+    * block scale (a decoded operand) rather than packed uint8 codes."""
+    return getattr(codes, "dtype", None) == jnp.bfloat16
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class NVFP4Tensor:
@@ -88,7 +94,7 @@ class NVFP4Tensor:
     @property
     def decoded(self) -> bool:
         """``codes`` holds bfloat16 values e2m1 * scale, not packed codes."""
-        return getattr(self.codes, "dtype", None) == jnp.bfloat16
+        return holds_values(self.codes)
 
     @property
     def ndim(self) -> int:

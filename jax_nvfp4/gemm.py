@@ -102,7 +102,5 @@ def matmul(
             a3[1].reshape(1, rows, -1),
             a3[2],
         )
-    out = ops.matmul(
-        *a3, *b3, dtype=out_dtype, a_decoded=a.decoded, b_decoded=b.decoded
-    )
+    out = ops.matmul(*a3, *b3, dtype=out_dtype)
     return out.reshape(*sa[:-1], sb[-2])

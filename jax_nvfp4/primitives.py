@@ -19,6 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_nvfp4 import _ffi_registry, cuda_gemm, partitioning, reference
+from jax_nvfp4.format import holds_values
 from jax_nvfp4.partitioning import Dim
 
 __all__ = [
@@ -243,12 +244,12 @@ def _jitted_bind(prim, params):
 
 def _ffi_rule(target, drop=(), applies=None, otherwise=None):
     """The lowering to the FFI handler `target`, with the params in `drop`
-    left out of its attributes; where ``applies(params)`` is False, the
-    lowering `otherwise` instead."""
+    left out of its attributes; where ``applies(operand avals)`` is False,
+    the lowering `otherwise` instead."""
     rule = jax.ffi.ffi_lowering(target)
 
     def lowering(ctx, *args, **params):
-        if applies is not None and not applies(params):
+        if applies is not None and not applies(ctx.avals_in):
             return otherwise(ctx, *args, **params)
         for name in drop:
             params.pop(name)
@@ -274,8 +275,9 @@ def _define(
     """Two primitives: ``name`` (the public one: abstract eval, batching,
     impl, and a lowering that partitions by ``layout`` under sharded jit) and
     ``name_local`` (one shard's work: the FFI handler, a platform-specific
-    pure-JAX path, or the reference). ``handler_applies(params)``: whether
-    the handlers take these params (else the reference lowers it there)."""
+    pure-JAX path, or the reference). ``handler_applies(operand avals)``:
+    whether the handlers take these operands (else the reference lowers it
+    there)."""
 
     def abstract_eval(*avals, **params):
         return _with_varying(abstract(*avals, **params), avals)
@@ -449,10 +451,12 @@ def _dequantize_layout(shapes, **_):
     )
 
 
-def _matmul_layout(shapes, a_decoded=False, b_decoded=False, **_):
-    """Codes hold 8 bytes per 16-element block of k, decoded operands 16
-    values."""
-    (batch, m, a_len), (_, _, blocks), (n_a,), (batch_b, n, _), _, (n_b,) = shapes
+def _matmul_layout(shapes, **_):
+    """Codes hold 8 bytes per 16-element block of k, decoded operands (their
+    bfloat16 values) 16."""
+    (batch, m, a_len), (_, _, blocks), (n_a,), (batch_b, n, b_len), _, (n_b,) = shapes
+    a_decoded = a_len == 16 * blocks != 0
+    b_decoded = b_len == 16 * blocks != 0
     b_batch = Dim(_B) if batch_b == batch and batch > 1 else Dim(None)
     return partitioning.Layout(
         operands=(
@@ -557,10 +561,8 @@ dequantize_p = _define(
 )
 
 
-def _matmul_abstract(
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype, **decoded
-):
-    del a_scales, a_amax, b_scales, b_amax, decoded
+def _matmul_abstract(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
+    del a_scales, a_amax, b_scales, b_amax
     return jax.core.ShapedArray((*a_codes.shape[:2], b_codes.shape[1]), dtype)
 
 
@@ -572,7 +574,7 @@ def _per_item_amax(amax, d, size, count):
     return amax.reshape(-1)
 
 
-def _matmul_batch(args, dims, *, dtype, **decoded):
+def _matmul_batch(args, dims, *, dtype):
     """Folds the vmapped axis into the GEMM batch; amaxes become per item."""
     size = _batch_size(args, dims)
     (a_codes, a_scales, a_amax, b_codes, b_scales, b_amax) = args
@@ -594,7 +596,7 @@ def _matmul_batch(args, dims, *, dtype, **decoded):
             b_scales = jnp.repeat(b_scales, per_a, axis=0)
             b_amax = jnp.repeat(b_amax, per_a)
     out = matmul_p.bind(
-        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype, **decoded
+        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype
     )
     return out.reshape(size, -1, *out.shape[1:]), 0
 
@@ -607,37 +609,21 @@ matmul_p = _define(
     _matmul_batch,
     _matmul_layout,
     multiple=False,
-    drop=("dtype", "a_decoded", "b_decoded"),
+    drop=("dtype",),
     lowerings={"cuda": cuda_gemm.matmul_cuda},
-    # The CPU handler multiplies codes; decoded operands take the twin there.
-    handler_applies=lambda p: not (p.get("a_decoded") or p.get("b_decoded")),
+    # The CPU handler multiplies codes; decoded operands (bfloat16 values in
+    # place of the codes) take the twin there.
+    handler_applies=lambda avals: (
+        not (holds_values(avals[0]) or holds_values(avals[3]))
+    ),
 )
 
 
-def matmul(
-    a_codes,
-    a_scales,
-    a_amax,
-    b_codes,
-    b_scales,
-    b_amax,
-    *,
-    dtype,
-    a_decoded=False,
-    b_decoded=False,
-):
-    """a_decoded / b_decoded: that operand's codes are its bfloat16 values
-    e2m1 * scale [batch, rows, K] (a decoded NVFP4Tensor's)."""
+def matmul(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
+    """An operand's codes may be its bfloat16 values e2m1 * scale [batch,
+    rows, K] (a decoded NVFP4Tensor's; ``format.holds_values``)."""
     return matmul_p.bind(
-        a_codes,
-        a_scales,
-        a_amax,
-        b_codes,
-        b_scales,
-        b_amax,
-        dtype=np.dtype(dtype),
-        a_decoded=bool(a_decoded),
-        b_decoded=bool(b_decoded),
+        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=np.dtype(dtype)
     )
 
 

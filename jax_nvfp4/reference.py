@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, e2m1_decode_table
+from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, e2m1_decode_table, holds_values
 
 __all__ = [
     "abs_max",
@@ -467,10 +467,10 @@ def decode_bf16(codes, scales):
     return _decode_unscaled(codes, scales).astype(jnp.bfloat16)
 
 
-def operand_bf16(codes, scales, decoded=False):
+def operand_bf16(codes, scales):
     """A GEMM operand as bfloat16 e2m1 * s_b [b, r, l]: decoded from its
-    codes, or, ``decoded``, ``codes`` already holds those values."""
-    return codes if decoded else decode_bf16(codes, scales)
+    codes, or ``codes`` itself where it already holds those values."""
+    return codes if holds_values(codes) else decode_bf16(codes, scales)
 
 
 def decode_rows_cols(rows_and_cols, *, row_decoded, col_decoded):
@@ -502,14 +502,11 @@ def matmul(
     b_amax,
     *,
     dtype,
-    a_decoded=False,
-    b_decoded=False,
 ):
     """out [b, m, n] = alpha * sum_k a[b, m, k] b[b', n, k] (float32 products).
-    ``a_decoded`` / ``b_decoded``: that operand's codes are its bfloat16
-    values (``operand_bf16``)."""
-    a = operand_bf16(a_codes, a_scales, a_decoded).astype(jnp.float32)
-    b = operand_bf16(b_codes, b_scales, b_decoded).astype(jnp.float32)
+    An operand's codes may be its bfloat16 values (``operand_bf16``)."""
+    a = operand_bf16(a_codes, a_scales).astype(jnp.float32)
+    b = operand_bf16(b_codes, b_scales).astype(jnp.float32)
     b = jnp.broadcast_to(b, (a.shape[0], *b.shape[1:]))
     acc = jnp.einsum("bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST)
     return (acc * _gemm_alpha(a_amax, b_amax)).astype(dtype)
@@ -524,14 +521,12 @@ def matmul_dequantize_bf16(
     b_amax,
     *,
     dtype,
-    a_decoded=False,
-    b_decoded=False,
 ):
     """The GPU path without FP4 tensor cores (Hopper): e2m1 * s_b is exact in
     bfloat16, so a bf16 GEMM with float32 accumulation and alpha applied after
     computes the format's exact products."""
-    a = operand_bf16(a_codes, a_scales, a_decoded)
-    b = operand_bf16(b_codes, b_scales, b_decoded)
+    a = operand_bf16(a_codes, a_scales)
+    b = operand_bf16(b_codes, b_scales)
     if b.shape[0] == 1 and b_amax.size == 1:
         acc = lax.dot_general(
             a, b[0], (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32

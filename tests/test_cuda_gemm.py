@@ -186,13 +186,15 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
     monkeypatch.setattr(cuda_gemm, "matmul_bf16", fake("cublaslt_bf16"))
     monkeypatch.setattr(reference, "matmul_dequantize_bf16", fake("xla_bf16"))
     chosen = "cublaslt_bf16" if path == "native_fp4" and decoded else path
-    flags = dict(a_decoded=False, b_decoded=decoded)
-    assert cuda_gemm.matmul_cuda(*range(6), dtype=jnp.float32, **flags) == chosen
+    args = [np.zeros(1, np.uint8)] * 6
+    if decoded:  # b's codes hold its bfloat16 values
+        args[3] = np.zeros(2, jnp.bfloat16)
+    assert cuda_gemm.matmul_cuda(*args, dtype=jnp.float32) == chosen
     cuda = _ffi_registry.registered_targets().get("cuda", frozenset())
     options = {
         "native_fp4": {},
-        "cublaslt_bf16": {"decode_handler": cuda_gemm.DECODE_TARGET in cuda, **flags},
-        "xla_bf16": flags,
+        "cublaslt_bf16": {"decode_handler": cuda_gemm.DECODE_TARGET in cuda},
+        "xla_bf16": {},
     }[chosen]
     assert called == [(chosen, 6, np.dtype(np.float32), options)]
 
