@@ -360,8 +360,9 @@ bool HandleAndAlgo(const MatmulDescriptors& desc, const AlgoKey& key,
   *found = false;
   auto& algos = Algos();
   const auto cached = algos.find(key);
-  if (Handles().count(key.device) && cached != algos.end()) {
-    *handle = Handles()[key.device];
+  const auto known = Handles().find(key.device);
+  if (known != Handles().end() && cached != algos.end()) {
+    *handle = known->second;
     *algo = cached->second;
     *found = true;
     return true;
