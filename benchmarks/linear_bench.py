@@ -46,6 +46,7 @@ REPEAT = 4
 CALLS = 7
 
 
+SETTLE_S = 0.5  # --settle: untimed calls of the same op before each timing
 PIPELINED = False  # --pipelined: dispatch CALLS calls, then wait once
 DONATE = False  # --donate: each call's outputs reuse the previous call's buffers
 
@@ -81,7 +82,14 @@ def timer(fn, inputs):
 
     def measure():
         """(seconds per op, the samples it is the median of; pipelined: [the
-        time per op, the part of it the host spent dispatching])."""
+        time per op, the part of it the host spent dispatching]). First the
+        op runs untimed for SETTLE_S seconds: the H200's clocks follow its
+        power draw within milliseconds, and an op timed right after another
+        would run at the clocks the other one left (a bf16 GEMM draws more
+        power than one on decoded FP4 values)."""
+        end = time.perf_counter() + SETTLE_S
+        while time.perf_counter() < end:
+            jax.block_until_ready(run(inputs))
         if PIPELINED:
             start = time.perf_counter()
             for _ in range(CALLS):
@@ -111,8 +119,15 @@ def interleaved(timers, rounds):
     for _ in range(rounds):
         for name in times:
             measure = timers[name]
+            start = time.time()
             times[name].append(measure() if measure else (float("nan"), []))
+            TIMELINE.append((name, start, time.time()))
     return times
+
+
+# (op, start, end) of every measurement in Unix seconds (settling included):
+# lines up with a log of the GPU's clocks and power (nvidia-smi -lms).
+TIMELINE = []
 
 
 OPS = None  # --ops: the op names (last word: bf16, nvfp4, ...) to time
@@ -267,6 +282,7 @@ def _print_times(summary):
 
 
 def main():
+    global PIPELINED, OPS, DONATE, SETTLE_S
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--hlo-dir", default=None, help="write compiled HLO here")
@@ -289,6 +305,13 @@ def main():
         "fake-quant, scaled_dot); default all",
     )
     parser.add_argument(
+        "--settle",
+        type=float,
+        default=SETTLE_S,
+        help="seconds each op runs untimed before it is timed (clocks settle "
+        "at the op's own power draw)",
+    )
+    parser.add_argument(
         "--donate",
         action="store_true",
         help="each call donates the previous call's outputs (stable output addresses)",
@@ -300,8 +323,7 @@ def main():
         "training loop runs), instead of waiting for each call",
     )
     args = parser.parse_args()
-    global PIPELINED, OPS, DONATE
-    PIPELINED, DONATE = args.pipelined, args.donate
+    PIPELINED, DONATE, SETTLE_S = args.pipelined, args.donate, args.settle
     OPS = set(args.ops.split(",")) if args.ops else None
     print(
         f"device: {jax.devices()[0].device_kind} | jax {jax.__version__} | "
@@ -333,6 +355,8 @@ def main():
                     "calls_per_measurement": CALLS,
                     "pipelined": PIPELINED,
                     "donate": DONATE,
+                    "settle_s": SETTLE_S,
+                    "timeline": TIMELINE,
                     "ops": sorted(OPS) if OPS else "all",
                     "results": results,
                 },
