@@ -8,16 +8,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-t0=$(date +%s)
-JAX_NVFP4_CUBLAS_INCLUDE_DIR=/usr/local/cuda/targets/x86_64-linux/include JAX_NVFP4_CUDA=ON \
-  CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 300 python3 -m pip install --no-build-isolation --no-deps -q . \
-  > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"; rm -f "$OUT/build.log"
+bash benchmarks/build_cuda.sh "$OUT/build.log" || exit 1; rm -f "$OUT/build.log"
 nvidia-smi -q -d PERFORMANCE,POWER,CLOCK > "$OUT/smi_q.txt" 2>&1
-( while :; do
-    nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
-      | sed "s/^/$(date +%s.%N), /"; sleep 0.1
-  done > "$OUT/smi.csv" ) &
+bash benchmarks/log_clocks.sh "$OUT/smi.csv" &
 logger=$!
 timeout "${BENCH_TIMEOUT:-480}" python3 benchmarks/linear_bench.py --out "$OUT/linear.json" "$@" 2>&1 \
   | tee "$OUT/linear.txt"

@@ -16,12 +16,7 @@ tests="${1:-tests/test_quantize.py tests/test_stochastic.py tests/test_numerics.
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 pip list 2>/dev/null | grep -iE "^(jax|flax|equinox|optax|nvidia|ml.dtypes|numpy)" >> "$OUT/gpu.txt"
-t0=$(date +%s)
-cuda_include=/usr/local/cuda/targets/x86_64-linux/include
-[ -f "$cuda_include/cublasLt.h" ] && export JAX_NVFP4_CUBLAS_INCLUDE_DIR="${JAX_NVFP4_CUBLAS_INCLUDE_DIR:-$cuda_include}"
-JAX_NVFP4_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 timeout 300 python3 -m pip install \
-  --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+bash benchmarks/build_cuda.sh "$OUT/build.log" || exit 1
 (cd /tmp && python3 -c "import jax_nvfp4 as nv, jax_nvfp4.cuda_gemm as g; print('handlers:', sorted(nv.available_platforms()), 'GEMM path:', g.gemm_path())")
 grep -E "cuBLASLt|Blackwell" "$OUT/build.log" | head -4
 export XLA_PYTHON_CLIENT_PREALLOCATE=false

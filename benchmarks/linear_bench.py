@@ -49,6 +49,34 @@ CALLS = 7
 SETTLE_S = 0.5  # --settle: untimed calls of the same op before each timing
 PIPELINED = False  # --pipelined: dispatch CALLS calls, then wait once
 DONATE = False  # --donate: each call's outputs reuse the previous call's buffers
+# (op, start, end) of every measurement in Unix seconds (settling included):
+# lines up with a log of the GPU's clocks and power (bench_session.sh).
+TIMELINE = []
+
+
+def runner(fn, inputs, donate):
+    """A call of `fn` on each of `inputs`, jitted into one computation: run()
+    returns the list of outputs. With `donate` every call donates the
+    previous call's outputs, so its outputs land in the same buffers (stable
+    addresses, as a training step's donated state has; XLA need not update
+    its CUDA graphs)."""
+    if not donate:
+        jitted = jax.jit(lambda xs: [fn(*x) for x in xs])
+        return lambda: jitted(inputs)
+    # keep_unused: an unused donated argument is otherwise pruned, and
+    # nothing is aliased (checked: addresses stable with it, not without).
+    jitted = jax.jit(
+        lambda xs, previous: [fn(*x) for x in xs],
+        donate_argnums=1,
+        keep_unused=True,
+    )
+    outs = [jitted(inputs, None)]
+
+    def run():
+        outs[0] = jitted(inputs, outs[0])
+        return outs[0]
+
+    return run
 
 
 def timer(fn, inputs):
@@ -56,28 +84,12 @@ def timer(fn, inputs):
     CALLS calls of the time per op (each call waited for), or with PIPELINED
     the time per op of CALLS calls dispatched back to back and waited for
     once, as a training loop runs (the host's dispatch overlaps the device's
-    work). With DONATE every call donates the previous call's outputs, so
-    its outputs land in the same buffers (stable addresses, as a training
-    step's donated state has; XLA need not update its CUDA graphs)."""
-    if DONATE:
-        # keep_unused: an unused donated argument is otherwise pruned, and
-        # nothing is aliased (checked: addresses stable with it, not without).
-        jitted = jax.jit(
-            lambda xs, previous: [fn(*x) for x in xs],
-            donate_argnums=1,
-            keep_unused=True,
-        )
-        outs = [jitted(inputs, None)]
-
-        def run(xs):
-            outs[0] = jitted(xs, outs[0])
-            return outs[0]
-    else:
-        run = jax.jit(lambda xs: [fn(*x) for x in xs])
-    jax.block_until_ready(run(inputs))
+    work). DONATE: see runner."""
+    run = runner(fn, inputs, DONATE)
+    jax.block_until_ready(run())
     if PIPELINED:  # one untimed batch: the first measured one was cold
         for _ in range(CALLS):
-            last = run(inputs)
+            last = run()
         jax.block_until_ready(last)
 
     def measure():
@@ -89,11 +101,11 @@ def timer(fn, inputs):
         power than one on decoded FP4 values)."""
         end = time.perf_counter() + SETTLE_S
         while time.perf_counter() < end:
-            jax.block_until_ready(run(inputs))
+            jax.block_until_ready(run())
         if PIPELINED:
             start = time.perf_counter()
             for _ in range(CALLS):
-                last = run(inputs)
+                last = run()
             dispatched = time.perf_counter()
             jax.block_until_ready(last)  # calls on one stream finish in order
             ops = CALLS * len(inputs)
@@ -102,7 +114,7 @@ def timer(fn, inputs):
         samples = []
         for _ in range(CALLS):
             start = time.perf_counter()
-            jax.block_until_ready(run(inputs))
+            jax.block_until_ready(run())
             samples.append((time.perf_counter() - start) / len(inputs))
         return statistics.median(samples), samples
 
@@ -123,11 +135,6 @@ def interleaved(timers, rounds):
             times[name].append(measure() if measure else (float("nan"), []))
             TIMELINE.append((name, start, time.time()))
     return times
-
-
-# (op, start, end) of every measurement in Unix seconds (settling included):
-# lines up with a log of the GPU's clocks and power (nvidia-smi -lms).
-TIMELINE = []
 
 
 OPS = None  # --ops: the op names (last word: bf16, nvfp4, ...) to time

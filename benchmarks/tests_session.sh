@@ -9,7 +9,7 @@ echo "gpu_session rc=$?" >> "$OUT/session.txt"
 for f in "$OUT"/pytest_*.txt; do echo "== $f"; grep -vE "^\.+ +\[" "$f" | tail -30; done > "$OUT/pytest.txt" 2>/dev/null
 rm -f "$OUT"/pytest_*.txt "$OUT/build.log"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-( while :; do nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits | sed "s/^/$(date +%s.%N), /"; sleep 0.1; done > "$OUT/quantize_smi.csv" ) &
+bash benchmarks/log_clocks.sh "$OUT/quantize_smi.csv" &
 logger=$!
 echo "quantize start $(date +%s.%N)" > "$OUT/quantize_window.txt"
 timeout 200 python3 benchmarks/quantize_bench.py --kernels --out "$OUT/quantize_bench.json" > "$OUT/quantize_bench.txt" 2>&1

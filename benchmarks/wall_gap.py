@@ -27,7 +27,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from linear_bench import REPEAT, gemm_operands, linear_step
+from linear_bench import REPEAT, gemm_operands, linear_step, runner
 
 import jax_nvfp4 as nv
 
@@ -35,23 +35,7 @@ CALLS = 7
 
 
 def builder(fn, inputs, donate):
-    if donate:
-        jitted = jax.jit(
-            lambda xs, previous: [fn(*x) for x in xs],
-            donate_argnums=1,
-            keep_unused=True,
-        )
-        outs = [jitted(inputs, None)]
-
-        def run():
-            outs[0] = jitted(inputs, outs[0])
-            return outs[0]
-    else:
-        jitted = jax.jit(lambda xs: [fn(*x) for x in xs])
-
-        def run():
-            return jitted(inputs)
-
+    run = runner(fn, inputs, donate)
     jax.block_until_ready(run())
     for _ in range(CALLS):  # warm: clocks and graphs as in a training loop
         last = run()

@@ -23,6 +23,7 @@ from jax_nvfp4.format import (
     Block,
     NVFP4Tensor,
     Rounding,
+    holds_values,
     is_supported_input_dtype,
 )
 
@@ -291,7 +292,7 @@ def _wrap(codes, scales, amax, shape, axis, block, rht) -> NVFP4Tensor:
     """codes: packed uint8 codes or (a decoded side) bfloat16 values."""
     rest = tuple(d for i, d in enumerate(shape) if i != axis)
     length = shape[axis]
-    decoded = codes.dtype == jnp.bfloat16
+    decoded = holds_values(codes)
     return NVFP4Tensor(
         codes=codes.reshape(*rest, length if decoded else length // 2),
         scales=scales.reshape(*rest, length // BLOCK_SIZE),
