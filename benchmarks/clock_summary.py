@@ -50,7 +50,11 @@ def main():
         bench = json.load(f)
     summary = summarize(bench, read_log(sys.argv[2]))
     print(f"{'op':>22} {'SM MHz':>7} {'power W':>8} {'max C':>6} {'lines':>6}")
-    for name, s in summary.items():
+    for name in dict.fromkeys(name for name, _, _ in bench["timeline"]):
+        s = summary.get(name)
+        if s is None:  # its timed parts were shorter than the log's interval
+            print(f"{name:>22} {'-':>7} {'-':>8} {'-':>6} {0:6d}")
+            continue
         print(
             f"{name:>22} {s['sm_clock_mhz']:7.0f} {s['power_w']:8.1f} "
             f"{s['temperature_c']:6.0f} {s['log_lines']:6d}"
