@@ -10,7 +10,7 @@ selection by ``jax_nvfp4.policy``.
 """
 
 from jax_nvfp4 import policy, reference
-from jax_nvfp4._ffi_registry import available_platforms
+from jax_nvfp4.backends.library import available_platforms
 from jax_nvfp4.format import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -19,7 +19,7 @@ from jax_nvfp4.format import (
     SCALE_RANGE,
     NVFP4Tensor,
 )
-from jax_nvfp4.gemm import matmul
+from jax_nvfp4.matmul import matmul
 from jax_nvfp4.quantize import (
     dequantize,
     global_amax,

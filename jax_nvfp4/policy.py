@@ -7,7 +7,7 @@ its original precision, bit-identical to the unconverted model). The Flax and
 Equinox integrations build paths with ``path_string`` and ask
 ``Policy.recipe_for``, so one policy describes a model in either framework.
 
-The defaults follow DESIGN.md ("The linear-layer recipe"): ``transformer_policy``
+The defaults follow docs/DESIGN.md ("The linear-layer recipe"): ``transformer_policy``
 puts MLP linears in NVFP4 and keeps attention projections, embeddings, the
 output head and the last few blocks in bf16 (the NVFP4 paper keeps ~15% of the
 linear layers, mostly at the end, in high precision). Per-GEMM overrides are

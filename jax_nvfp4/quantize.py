@@ -1,14 +1,15 @@
 """Public NVFP4 quantize / dequantize API.
 
-``quantize`` maps any shape and quantized axis onto the handlers' rank-3
+``quantize`` maps any shape and quantized axis onto the primitives' rank-3
 ``[batch, m, k]`` layout without a transpose: quantizing the last axis is the
-row-wise handler, any other axis the column-wise handler (which reads the
+row-wise primitive, any other axis the column-wise one (which reads the
 matrix once and writes it transposed). ``quantize_rowwise_and_columnwise``
 is the fused pass that the training recipe needs for X and dY.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Literal
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4 import primitives, reference
+from jax_nvfp4 import ops, reference
 from jax_nvfp4.format import (
     BLOCK_SIZE,
     Block,
@@ -41,9 +42,9 @@ _MAX_STOCHASTIC_ELEMENTS = 2**35
 
 
 def implementation_ops(implementation: Implementation):
-    """The module whose functions run the ops: primitives or their twins."""
+    """The module whose functions run the ops: the primitives or their twins."""
     if implementation == "ffi":
-        return primitives
+        return ops
     if implementation == "reference":
         return reference
     raise ValueError(
@@ -81,7 +82,7 @@ def _check_multiple_of_16(shape, axis: int, what: str):
         )
 
 
-def _tile_rows(block: Block) -> int:
+def _block_rows(block: Block) -> int:
     if block == "1x16":
         return 1
     if block == "16x16":
@@ -162,18 +163,18 @@ def global_amax(
         return reference.abs_max(x)
     axis = _normalize_axis(axis, x.ndim)
     _check_multiple_of_16(x.shape, axis, "the Random Hadamard Transform")
-    x3, rht_axis = _rank3(x, axis)
-    ops = implementation_ops(implementation)
-    return jnp.max(ops.amax(x3, rht_axis=rht_axis)[:, 1])
+    x3, cols = _rank3(x, axis)
+    return jnp.max(implementation_ops(implementation).amax(x3, cols=cols)[:, 1])
 
 
 def _rank3(x, axis):
-    """x viewed as [batch, m, k] with the quantized axis at k (2) or m (1)."""
+    """x viewed as [batch, m, k] with the quantized axis at k (cols False) or
+    at m (cols True)."""
     shape = x.shape
     if axis == x.ndim - 1:
-        return x.reshape(1, math.prod(shape[:-1]), shape[-1]), 2
+        return x.reshape(1, math.prod(shape[:-1]), shape[-1]), False
     before, after = math.prod(shape[:axis]), math.prod(shape[axis + 1 :])
-    return x.reshape(before, shape[axis], after), 1
+    return x.reshape(before, shape[axis], after), True
 
 
 def quantize(
@@ -215,8 +216,8 @@ def quantize(
     x = _check_input(x)
     axis = _normalize_axis(axis, x.ndim)
     _check_multiple_of_16(x.shape, axis, "NVFP4")
-    tile_rows = _tile_rows(block)
-    if tile_rows == 16:
+    block_rows = _block_rows(block)
+    if block_rows == 16:
         if x.ndim < 2:
             raise ValueError(
                 "block='16x16' needs an array of rank >= 2 (tiles span two axes); "
@@ -224,31 +225,31 @@ def quantize(
             )
         other = x.ndim - 2 if axis == x.ndim - 1 else x.ndim - 1
         _check_multiple_of_16(x.shape, other, "a 16x16 tile")
-    stochastic = _is_stochastic(rounding)
-    if not 0 <= stream <= 255:
-        raise ValueError(f"stream must be in [0, 255], got {stream}")
-    ops = implementation_ops(implementation)
-    words = key_words(key, stochastic, _global_size(x, _place))
-    x3, rht_axis = _rank3(x, axis)
+    spec = ops.QuantizeSpec(
+        block_rows=block_rows,
+        stochastic=_is_stochastic(rounding),
+        rht=rht,
+        stream=_check_stream(stream),
+    )
+    impl = implementation_ops(implementation)
+    words = key_words(key, spec.stochastic, _global_size(x, _place))
+    x3, cols = _rank3(x, axis)
     if amax is None:
         if rht:
-            amax = jnp.max(ops.amax(x3, rht_axis=rht_axis)[:, 1])
+            amax = jnp.max(impl.amax(x3, cols=cols)[:, 1])
         else:
             amax = reference.abs_max(x)
     else:
         amax = _check_amax(amax)
-    quantize_fn = ops.quantize_rows if rht_axis == 2 else ops.quantize_cols
-    codes, scales = quantize_fn(
-        x3,
-        amax.reshape(1),
-        words,
-        *_placement(_place, x3),
-        **_placement_params(_place, x3),
-        tile_rows=tile_rows,
-        stochastic=stochastic,
-        rht=rht,
-        stream=stream,
-    )
+    origin, place = _placement(_place, x3)
+    if cols:
+        codes, scales = impl.quantize_cols(
+            x3, amax.reshape(1), words, origin, cols=spec, place=place
+        )
+    else:
+        codes, scales = impl.quantize_rows(
+            x3, amax.reshape(1), words, origin, rows=spec, place=place
+        )
     return _wrap(codes, scales, amax, x.shape, axis, block, rht)
 
 
@@ -260,32 +261,20 @@ def _global_size(x, place) -> int:
 
 
 def _placement(place, x3):
-    """(origin,) and global sizes for a quantize of x3 [b, m, k] that is one
-    shard of a larger tensor; ``place`` = (m0, global_m) offsets the rows
-    (the token axis of the training recipe). Empty when x3 is the whole."""
+    """(origin, Place) for a quantize of x3 [b, m, k] that is one shard of a
+    larger tensor; ``place`` = (m0, global_m) offsets the rows (the token axis
+    of the training recipe). (None, None) when x3 is the whole."""
     if place is None:
-        return ()
+        return None, None
     m0, global_m = place
     origin = jnp.stack([jnp.int32(0), jnp.asarray(m0, jnp.int32), jnp.int32(0)])
-    return (origin,)
+    return origin, ops.Place(global_m=global_m, global_k=x3.shape[2])
 
 
-def _placement_params(place, x3):
-    if place is None:
-        return {}
-    return {"global_m": place[1], "global_k": x3.shape[2]}
-
-
-def _fused_kernel_decodes(dtype, row_block, col_block, row_rht, col_rht) -> bool:
-    """Whether the CUDA fused kernel (QuantizePrivateTileKernel) can write
-    decoded operands for these options: bfloat16 x, no RHT on the rows, one
-    block shape both ways, 16x16 blocks only without column RHT."""
-    return (
-        jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-        and not row_rht
-        and row_block == col_block
-        and not (col_block == "16x16" and col_rht)
-    )
+def _check_stream(stream: int) -> int:
+    if not 0 <= stream <= 255:
+        raise ValueError(f"stream must be in [0, 255], got {stream}")
+    return stream
 
 
 def _wrap(codes, scales, amax, shape, axis, block, rht) -> NVFP4Tensor:
@@ -335,7 +324,7 @@ def quantize_rowwise_and_columnwise(
     ``_row_decoded`` / ``_col_decoded`` (the recipe's, on the Hopper GEMM
     path): return that side as a ``decoded`` NVFP4Tensor, its bfloat16 GEMM
     operand, written by the fused kernel in place of the codes -- for the
-    options that kernel serves (``_fused_kernel_decodes``); otherwise both
+    options that kernel serves (``ops.fused_writes_values``); otherwise both
     sides come as codes.
     """
     x = _check_input(x)
@@ -347,19 +336,28 @@ def quantize_rowwise_and_columnwise(
     n = x.ndim
     _check_multiple_of_16(x.shape, n - 1, "row-wise NVFP4")
     _check_multiple_of_16(x.shape, n - 2, "column-wise NVFP4")
-    row_tiles, col_tiles = _tile_rows(row_block), _tile_rows(col_block)
-    row_sr, col_sr = _is_stochastic(row_rounding), _is_stochastic(col_rounding)
-    for stream in (row_stream, col_stream):
-        if not 0 <= stream <= 255:
-            raise ValueError(f"streams must be in [0, 255], got {stream}")
-    ops = implementation_ops(implementation)
-    words = key_words(key, row_sr or col_sr, _global_size(x, _place))
+    row_spec = ops.QuantizeSpec(
+        block_rows=_block_rows(row_block),
+        stochastic=_is_stochastic(row_rounding),
+        rht=row_rht,
+        stream=_check_stream(row_stream),
+    )
+    col_spec = ops.QuantizeSpec(
+        block_rows=_block_rows(col_block),
+        stochastic=_is_stochastic(col_rounding),
+        rht=col_rht,
+        stream=_check_stream(col_stream),
+    )
+    impl = implementation_ops(implementation)
+    words = key_words(
+        key, row_spec.stochastic or col_spec.stochastic, _global_size(x, _place)
+    )
     x3 = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
 
     plain = None
     if col_amax is None:
         if col_rht:
-            both = ops.amax(x3, rht_axis=1)
+            both = impl.amax(x3, cols=True)
             plain, col_amax = jnp.max(both[:, 0]), jnp.max(both[:, 1])
         else:
             plain = col_amax = reference.abs_max(x)
@@ -367,35 +365,27 @@ def quantize_rowwise_and_columnwise(
         col_amax = _check_amax(col_amax, "col_amax")
     if row_amax is None:
         if row_rht:
-            row_amax = jnp.max(ops.amax(x3, rht_axis=2)[:, 1])
+            row_amax = jnp.max(impl.amax(x3, cols=False)[:, 1])
         else:
             row_amax = plain if plain is not None else reference.abs_max(x)
     else:
         row_amax = _check_amax(row_amax, "row_amax")
 
-    if not _fused_kernel_decodes(x.dtype, row_block, col_block, row_rht, col_rht):
-        _row_decoded = _col_decoded = False
-    decoded = dict(row_decoded=_row_decoded, col_decoded=_col_decoded)
-    quantize_both = (
-        functools.partial(ops.quantize_rows_cols_decoded, **decoded)
-        if _row_decoded or _col_decoded
-        else ops.quantize_rows_cols
-    )
-    row_codes, row_scales, col_codes, col_scales = quantize_both(
+    if (_row_decoded or _col_decoded) and ops.fused_writes_values(
+        x.dtype, row_spec, col_spec
+    ):
+        row_spec = dataclasses.replace(row_spec, decoded=_row_decoded)
+        col_spec = dataclasses.replace(col_spec, decoded=_col_decoded)
+    origin, place = _placement(_place, x3)
+    row_codes, row_scales, col_codes, col_scales = impl.quantize_rows_cols(
         x3,
         row_amax.reshape(1),
         col_amax.reshape(1),
         words,
-        *_placement(_place, x3),
-        **_placement_params(_place, x3),
-        row_tile_rows=row_tiles,
-        row_stochastic=row_sr,
-        row_rht=row_rht,
-        row_stream=row_stream,
-        col_tile_rows=col_tiles,
-        col_stochastic=col_sr,
-        col_rht=col_rht,
-        col_stream=col_stream,
+        origin,
+        rows=row_spec,
+        cols=col_spec,
+        place=place,
     )
     rows = _wrap(row_codes, row_scales, row_amax, x.shape, n - 1, row_block, row_rht)
     cols = _wrap(col_codes, col_scales, col_amax, x.shape, n - 2, col_block, col_rht)

@@ -1,7 +1,7 @@
 """The NVFP4 linear-layer training recipe: ``dot(x, w)`` with a custom VJP.
 
 y = x . w with x [..., K] and w [K, N]; leading axes of x are folded into one
-token axis T. The three GEMMs (DESIGN.md, "The linear-layer recipe"):
+token axis T. The three GEMMs (docs/DESIGN.md, "The linear-layer recipe"):
 
   FPROP  y  = x  . w    x: 1x16 nearest along K; w: 16x16 along K
   DGRAD  dx = dy . w^T  dy: 1x16 stochastic along N; w: the same 16x16 values
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_nvfp4 import cuda_gemm
-from jax_nvfp4.gemm import matmul
+from jax_nvfp4 import ops
+from jax_nvfp4.matmul import matmul
 from jax_nvfp4.quantize import (
     global_amax,
     implementation_ops,
@@ -79,26 +79,11 @@ NVFP4_NO_SR = Recipe(stochastic_rounding=False)
 BF16 = Recipe(fprop=False, dgrad=False, wgrad=False)
 
 
-_DECODED_SWITCH = "JAX_NVFP4_DECODED_OPERANDS"
-
-
 def _write_gemm_operands(recipe: Recipe, a: jax.Array) -> bool:
-    """Whether the fused quantizations of x and dY write the bf16 GEMM
-    operand (a decoded NVFP4Tensor) of the outputs that only feed a GEMM --
-    x's rows, both of dY's -- instead of codes that the GEMM would decode
-    right after: on the Hopper GEMM path (``cuda_gemm``) when the GPU is
-    the default backend, for bfloat16 inputs (the fused kernel's). Same
-    values either way; it saves the codes' write, their read and the decode
-    kernel.
-    ``JAX_NVFP4_DECODED_OPERANDS=0`` turns it off (read when traced)."""
-    if not cuda_gemm.switch(_DECODED_SWITCH, True):
-        return False
-    return (
-        recipe.implementation == "ffi"
-        and a.dtype == jnp.bfloat16
-        and jax.default_backend() == "gpu"
-        and cuda_gemm.gemm_path() == "cublaslt_bf16"
-    )
+    """Whether the fused quantizations of x and dY write the GEMM operands of
+    the outputs that only feed a GEMM -- x's rows, both of dY's -- as decoded
+    NVFP4Tensors instead of codes (``ops.gemm_takes_values``)."""
+    return recipe.implementation == "ffi" and ops.gemm_takes_values(a.dtype)
 
 
 def _pad_tokens(a: jax.Array, tokens: int) -> jax.Array:
@@ -142,8 +127,8 @@ def _shard_amaxes(a2, rht, axis_name, implementation):
     if not rht:
         plain = jax.lax.pmax(global_amax(a2), names)
         return plain, plain
-    ops = implementation_ops(implementation)
-    both = ops.amax(a2.reshape(1, *a2.shape), rht_axis=1)[0]  # (plain, RHT)
+    impl = implementation_ops(implementation)
+    both = impl.amax(a2.reshape(1, *a2.shape), cols=True)[0]  # (plain, RHT)
     both = jax.lax.pmax(both, names)
     return both[0], both[1]
 

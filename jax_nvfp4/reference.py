@@ -1,7 +1,7 @@
 """Pure-JAX twin of the FFI handlers: the oracle of the tests and the fallback.
 
 Every function here has the signature of the primitive of the same name in
-``jax_nvfp4.primitives`` and follows ``ffi/nvfp4_numerics.h`` step by step, in
+``jax_nvfp4.ops`` and follows ``ffi/numerics/nvfp4.h`` step by step, in
 float32, so that the results are bit-identical to the CPU and CUDA handlers.
 Inputs use the handlers' rank-3 layout ``[batch, m, k]``.
 """
@@ -286,27 +286,17 @@ def random_bytes(
     )
 
 
-def _quantize_oriented(
-    q,
-    amax,
-    key,
-    *,
-    tile_rows,
-    stochastic,
-    rht,
-    stream,
-    origin,
-    global_shape,
-    example_batch=0,
-):
-    """Quantizes q [batch, rows, len] (float32) along len; ``origin`` and
-    ``global_shape`` place it in the whole tensor (see ``random_bytes``)."""
+def _quantize_oriented(q, amax, key, spec, *, origin, global_shape, example_batch):
+    """Quantizes q [batch, rows, len] (float32) along len as ``spec`` says;
+    ``origin`` and ``global_shape`` place it in the whole tensor (see
+    ``random_bytes``)."""
     batch, rows, length = q.shape
-    if rht:
+    block_rows = spec.block_rows
+    if spec.rht:
         q = random_hadamard16(q)
     a = jnp.repeat(amax.reshape(-1), batch // amax.size)
     s_enc, s_dec = global_scale(a)
-    tiles = q.reshape(batch, rows // tile_rows, tile_rows, length // 16, 16)
+    tiles = q.reshape(batch, rows // block_rows, block_rows, length // 16, 16)
     magnitude = jnp.abs(tiles)
     block_amax = jnp.max(
         jnp.where(jnp.isnan(magnitude), _F32(0), magnitude), axis=(2, 4)
@@ -317,27 +307,30 @@ def _quantize_oriented(
     )
     multiplier = jnp.fmin(divide(_F32(1), scale * s_dec[bcast]), FLT_MAX)
     v = tiles * multiplier[:, :, None, :, None]
-    if stochastic:
-        rnd = random_bytes(key, q.shape, stream, origin, global_shape, example_batch)
-        rnd = rnd.reshape(v.shape)
-        codes = e2m1_round_stochastic(v, rnd)
+    if spec.stochastic:
+        rnd = random_bytes(
+            key, q.shape, spec.stream, origin, global_shape, example_batch
+        )
+        codes = e2m1_round_stochastic(v, rnd.reshape(v.shape))
     else:
         codes = e2m1_round_nearest(v)
     codes = codes.reshape(batch, rows, length)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    scale_bytes = jnp.repeat(e4m3_encode(scale), tile_rows, axis=1)
+    scale_bytes = jnp.repeat(e4m3_encode(scale), block_rows, axis=1)
     scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
+    if spec.decoded:
+        return decode_bf16(packed, scales), scales
     return packed, scales
 
 
-def _quantize_placed(x, amax, key, origin, transposed, global_m, global_k, **options):
+def _quantize_placed(x, amax, key, origin, transposed, spec, place):
     """x [b, m, k] quantized along k (or, ``transposed``, along m), placed at
-    ``origin`` (int32 [3]: b0, m0, k0) in a tensor of global m and k for the
-    stochastic-rounding index (defaults: x is the whole tensor)."""
+    ``origin`` (int32 [3]: b0, m0, k0) in a tensor of ``place``'s global m and
+    k for the stochastic-rounding index (defaults: x is the whole tensor)."""
     _, m, k = x.shape
     o = jnp.zeros(3, jnp.int32) if origin is None else origin
     q = x.astype(jnp.float32)
-    global_shape = (global_m or m, global_k or k)
+    global_shape = (m, k) if place is None else (place.global_m, place.global_k)
     if transposed:
         q, o, global_shape = (
             jnp.swapaxes(q, 1, 2),
@@ -345,79 +338,46 @@ def _quantize_placed(x, amax, key, origin, transposed, global_m, global_k, **opt
             global_shape[::-1],
         )
     return _quantize_oriented(
-        q, amax, key, origin=o, global_shape=global_shape, **options
+        q,
+        amax,
+        key,
+        spec,
+        origin=o,
+        global_shape=global_shape,
+        example_batch=0 if place is None else place.example_batch,
     )
 
 
-def quantize_rows(
-    x, amax, key, origin=None, *, global_m=None, global_k=None, **options
-):
+def quantize_rows(x, amax, key, origin=None, *, rows, place=None):
     """x [b, m, k] -> (codes [b, m, k/2], scales [b, m, k/16]) along k.
 
-    options: tile_rows, stochastic, rht, stream, example_batch. ``origin``
-    and ``global_m``/``global_k`` place x in a larger tensor (see
-    ``random_bytes``).
+    ``rows``: a ``jax_nvfp4.ops.QuantizeSpec``. ``origin`` and ``place``
+    (``jax_nvfp4.ops.Place``) put x in a larger tensor (see ``random_bytes``).
     """
-    return _quantize_placed(x, amax, key, origin, False, global_m, global_k, **options)
+    return _quantize_placed(x, amax, key, origin, False, rows, place)
 
 
-def quantize_cols(
-    x, amax, key, origin=None, *, global_m=None, global_k=None, **options
-):
+def quantize_cols(x, amax, key, origin=None, *, cols, place=None):
     """x [b, m, k] -> (codes [b, k, m/2], scales [b, k, m/16]) along m."""
-    return _quantize_placed(x, amax, key, origin, True, global_m, global_k, **options)
+    return _quantize_placed(x, amax, key, origin, True, cols, place)
 
 
 def quantize_rows_cols(
-    x,
-    row_amax,
-    col_amax,
-    key,
-    origin=None,
-    *,
-    row_tile_rows,
-    row_stochastic,
-    row_rht,
-    row_stream,
-    col_tile_rows,
-    col_stochastic,
-    col_rht,
-    col_stream,
-    global_m=None,
-    global_k=None,
-    example_batch=0,
+    x, row_amax, col_amax, key, origin=None, *, rows, cols, place=None
 ):
-    """Both quantizations of x [b, m, k]: along k (row-wise) and along m."""
-    place = dict(global_m=global_m, global_k=global_k, example_batch=example_batch)
-    rows = quantize_rows(
-        x,
-        row_amax,
-        key,
-        origin,
-        tile_rows=row_tile_rows,
-        stochastic=row_stochastic,
-        rht=row_rht,
-        stream=row_stream,
-        **place,
+    """Both quantizations of x [b, m, k]: along k (row-wise) and along m; a
+    side with ``decoded`` comes as its bfloat16 values [b, rows, len]."""
+    return (
+        *_quantize_placed(x, row_amax, key, origin, False, rows, place),
+        *_quantize_placed(x, col_amax, key, origin, True, cols, place),
     )
-    cols = quantize_cols(
-        x,
-        col_amax,
-        key,
-        origin,
-        tile_rows=col_tile_rows,
-        stochastic=col_stochastic,
-        rht=col_rht,
-        stream=col_stream,
-        **place,
-    )
-    return (*rows, *cols)
 
 
-def amax(x, *, rht_axis):
-    """[b, 2]: (max |x[b]|, max |bf16(RHT(x[b]))|), RHT along axis rht_axis."""
+def amax(x, *, cols):
+    """[b, 2]: (max |x[b]|, max |bf16(RHT(x[b]))|), the RHT along m if
+    ``cols`` else along k."""
     q = x.astype(jnp.float32)
-    if rht_axis == 1:
+    if cols:
         q = jnp.swapaxes(q, 1, 2)
     batch = q.shape[0]
     plain = jax.vmap(abs_max)(q.reshape(batch, -1))
@@ -471,26 +431,6 @@ def operand_bf16(codes, scales):
     """A GEMM operand as bfloat16 e2m1 * s_b [b, r, l]: decoded from its
     codes, or ``codes`` itself where it already holds those values."""
     return codes if holds_values(codes) else decode_bf16(codes, scales)
-
-
-def decode_rows_cols(rows_and_cols, *, row_decoded, col_decoded):
-    """quantize_rows_cols's (row codes, row scales, col codes, col scales)
-    with the chosen sides' codes replaced by their bfloat16 values."""
-    row_codes, row_scales, col_codes, col_scales = rows_and_cols
-    row_codes = decode_bf16(row_codes, row_scales) if row_decoded else row_codes
-    col_codes = decode_bf16(col_codes, col_scales) if col_decoded else col_codes
-    return row_codes, row_scales, col_codes, col_scales
-
-
-def quantize_rows_cols_decoded(
-    x, row_amax, col_amax, key, origin=None, *, row_decoded, col_decoded, **params
-):
-    """quantize_rows_cols with the chosen sides decoded (decode_rows_cols)."""
-    return decode_rows_cols(
-        quantize_rows_cols(x, row_amax, col_amax, key, origin, **params),
-        row_decoded=row_decoded,
-        col_decoded=col_decoded,
-    )
 
 
 def matmul(

@@ -2,12 +2,8 @@
 
 ``matmul(a, b)`` contracts the quantized axis of both operands:
 ``out = (A_a / 2688)(A_b / 2688) * sum_k e2m1(a) s_a * e2m1(b) s_b`` with
-float32 accumulation. Backends: the CPU handler (exact products, sum over k in
-order); on CUDA GPUs without FP4 tensor cores (Hopper) the operands are
-decoded to bfloat16 -- e2m1 times an E4M3 scale is exact there -- and
-multiplied by a bf16 GEMM with float32 accumulation, alpha applied after; on
-Blackwell (sm_100+) cuBLASLt's block-scaled FP4 GEMM (``jax_nvfp4.blackwell``;
-compiled, not yet run on Blackwell hardware).
+float32 accumulation. Which GEMM computes it on each backend is the matmul
+primitive's business (``jax_nvfp4.ops.matmul``).
 """
 
 from __future__ import annotations

@@ -33,7 +33,17 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Dim", "Layout", "needs_devices_during_lowering", "partitioned"]
+__all__ = [
+    "BATCH",
+    "Dim",
+    "Layout",
+    "needs_devices_during_lowering",
+    "partitioned",
+    "per_item",
+]
+
+# The factor of the handlers' leading batch axis.
+BATCH = "batch"
 
 
 def needs_devices_during_lowering(prim) -> None:
@@ -102,6 +112,11 @@ class Layout:
         if reduced:
             extra["reduction_factors"] = reduced
         return f"{ops} -> {res}", {**sizes, **extra}
+
+
+def per_item(n: int, batch: int) -> Dim:
+    """A per-batch-item operand ([n] or [n, 2]) follows the batch if n > 1."""
+    return Dim(BATCH if n == batch and n > 1 else None)
 
 
 def _axes(entry) -> tuple[str, ...]:

@@ -1,0 +1,67 @@
+"""Which devices a computation is lowered for, and what they can do.
+
+The one parser of CUDA compute capabilities: the GEMM backends ask
+``all_capable(devices, minimum)`` and nothing else reads
+``device.compute_capability``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["all_capable", "capability", "cuda_devices", "lowering_devices"]
+
+
+def capability(device: Any) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device; None for other devices (CPU, ROCm) or
+    an unknown capability."""
+    if getattr(device, "platform", None) != "gpu":
+        return None
+    try:
+        major, minor = (int(v) for v in str(device.compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):  # not CUDA (e.g. ROCm's "gfx90a")
+        return None
+    return major, minor
+
+
+def all_capable(devices: Sequence[Any], minimum: tuple[int, int]) -> bool:
+    """Whether there are devices and every one is a CUDA GPU of at least
+    compute capability ``minimum``."""
+    capabilities = [capability(d) for d in devices]
+    return bool(capabilities) and all(
+        c is not None and c >= minimum for c in capabilities
+    )
+
+
+def cuda_devices() -> tuple[Any, ...]:
+    """The devices of this process's CUDA backend; () without one."""
+    try:
+        return tuple(jax.devices("cuda"))
+    except RuntimeError:  # no CUDA backend in this process
+        return ()
+
+
+def lowering_devices(target: Any = None) -> tuple[Any, ...]:
+    """The devices a GEMM is lowered for.
+
+    ``target``: a lowering rule's context (the CUDA backend's devices if it
+    lowers for "cuda" alone; none for a module lowered for several platforms,
+    e.g. by ``jax.export``, which then keeps the portable GEMM), a device, a
+    sequence of devices, or None for the CUDA backend's devices.
+    """
+    if target is None:
+        return cuda_devices()
+    if hasattr(target, "module_context"):  # mlir.LoweringRuleContext
+        platforms = tuple(target.platforms or target.module_context.platforms)
+        return cuda_devices() if platforms == ("cuda",) else ()
+    if hasattr(target, "platform"):
+        return (target,)
+    if isinstance(target, Sequence):
+        return tuple(target)
+    raise TypeError(
+        "target must be a lowering context, a device, a sequence of devices "
+        f"or None, got {type(target).__name__}"
+    )

@@ -1,0 +1,55 @@
+"""Every ``JAX_NVFP4_*`` environment switch, read in one place.
+
+``JAX_NVFP4_FFI_LIBRARY`` (unset): load the CPU handlers from this shared
+    library (the Bazel target ``//:jax_nvfp4_cpu``) instead of the extension
+    ``jax_nvfp4._ffi``. Read once, when the first primitive is defined.
+``JAX_NVFP4_NATIVE_GEMM`` (on): the native Blackwell FP4 GEMM on GPUs with FP4
+    tensor cores. Read when a computation is lowered.
+``JAX_NVFP4_CUBLASLT_GEMM`` (on): the cuBLASLt bf16 GEMM with alpha in its
+    epilogue on other GPUs; off: XLA's bf16 GEMM. Read when lowered.
+``JAX_NVFP4_GEMM_GRAPHS`` (on): declare that GEMM safe for XLA's command
+    buffers (CUDA graphs). Read when lowered.
+``JAX_NVFP4_DECODED_OPERANDS`` (on): on the cuBLASLt bf16 path, the fused
+    quantize writes the GEMM's bfloat16 operands instead of codes. Read when
+    traced.
+``JAX_NVFP4_CUBLASLT`` (unset): the libcublasLt to load; read by the C++
+    loader (``ffi/gemm/cublaslt.cu``) at the first GEMM call.
+
+On/off switches take ``1``/``true``/``on``/``yes`` and ``0``/``false``/``off``/
+``no`` (any case, surrounding spaces ignored); unset, empty or anything else
+keeps the default. Set them before the computation they affect is lowered or
+traced.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["SWITCHES", "enabled", "ffi_library"]
+
+# On/off switches and their defaults.
+SWITCHES = {
+    "JAX_NVFP4_NATIVE_GEMM": True,
+    "JAX_NVFP4_CUBLASLT_GEMM": True,
+    "JAX_NVFP4_GEMM_GRAPHS": True,
+    "JAX_NVFP4_DECODED_OPERANDS": True,
+}
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+
+
+def enabled(name: str) -> bool:
+    """The current value of the on/off switch ``name`` (a key of ``SWITCHES``)."""
+    if name not in SWITCHES:
+        raise KeyError(f"{name} is not a jax_nvfp4 switch; known: {sorted(SWITCHES)}")
+    value = os.environ.get(name, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    return SWITCHES[name]
+
+
+def ffi_library() -> str | None:
+    """``JAX_NVFP4_FFI_LIBRARY``: a shared library with the CPU handlers, or None."""
+    return os.environ.get("JAX_NVFP4_FFI_LIBRARY") or None

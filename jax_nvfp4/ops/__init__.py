@@ -1,0 +1,40 @@
+"""The primitive layer: one module per primitive family (``quantize``,
+``amax``, ``dequantize``, ``matmul``) on the handlers' rank-3 layout
+``[batch, m, k]``, built by ``primitive.define`` with shared ``batching``
+and ``sharding`` helpers. ``jax_nvfp4.reference`` has functions of the same
+names and signatures (the pure-JAX twins)."""
+
+from jax_nvfp4.ops.amax import amax, amax_p
+from jax_nvfp4.ops.dequantize import dequantize, dequantize_p
+from jax_nvfp4.ops.matmul import gemm_path, gemm_takes_values, matmul, matmul_p
+from jax_nvfp4.ops.quantize import (
+    Place,
+    QuantizeSpec,
+    fused_writes_values,
+    quantize_cols,
+    quantize_cols_p,
+    quantize_rows,
+    quantize_rows_cols,
+    quantize_rows_cols_p,
+    quantize_rows_p,
+)
+
+__all__ = [
+    "Place",
+    "QuantizeSpec",
+    "amax",
+    "amax_p",
+    "dequantize",
+    "dequantize_p",
+    "fused_writes_values",
+    "gemm_path",
+    "gemm_takes_values",
+    "matmul",
+    "matmul_p",
+    "quantize_cols",
+    "quantize_cols_p",
+    "quantize_rows",
+    "quantize_rows_cols",
+    "quantize_rows_cols_p",
+    "quantize_rows_p",
+]
