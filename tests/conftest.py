@@ -19,11 +19,11 @@ def has_gpu() -> bool:
 
 def pytest_report_header(config):
     import jax_nvfp4 as nv
-    from jax_nvfp4 import _ffi_registry
+    from jax_nvfp4.backends import library
 
     return (
         f"jax {jax.__version__}, devices {jax.devices()}; jax_nvfp4 handlers on "
-        f"{sorted(nv.available_platforms())} from {_ffi_registry.handler_source()}"
+        f"{sorted(nv.available_platforms())} from {library.handler_source()}"
     )
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from conftest import on_cpu
 
-from jax_nvfp4 import _ffi_registry, blackwell, primitives, reference
+from jax_nvfp4 import ops, reference
+from jax_nvfp4.backends import blackwell, library
 from jax_nvfp4.format import e2m1_decode_table
 
 # (batch, M, N, K, b batch, per-item a amax, per-item b amax); M, N, K are odd
@@ -235,7 +236,7 @@ def test_handler_contract_matches_reference_and_cpu_handler(case):
     bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
     for name, fn in (
         ("reference", reference.matmul),
-        ("CPU handler", primitives.matmul),
+        ("CPU handler", ops.matmul),
     ):
         want = on_cpu(jax.jit(functools.partial(fn, dtype=jnp.float32)), *args)
         assert want.shape == exact.shape, name
@@ -262,7 +263,7 @@ def test_matmul_native_slices_the_handler_result(monkeypatch, dtype):
     got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*args)
     exact, (a, b, alpha) = _exact(*args)
     assert got.shape == exact.shape and got.dtype == dtype
-    want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)
+    want = on_cpu(ops.matmul, *args, dtype=jnp.float32)
     bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
     assert np.all(np.abs(np.asarray(want, np.float64) - exact) <= bound)
     if dtype == jnp.float32:
@@ -346,7 +347,7 @@ def test_native_fp4_supported_on_cpu_is_false():
 
 def test_native_fp4_supported_decides_by_capability_and_registration(monkeypatch):
     registered = {"cuda": frozenset({blackwell.TARGET})}
-    monkeypatch.setattr(_ffi_registry, "registered_targets", lambda: registered)
+    monkeypatch.setattr(library, "registered_targets", lambda: registered)
     assert blackwell.native_fp4_supported(_device("gpu", "10.0"))
     assert blackwell.native_fp4_supported(
         [_device("gpu", "10.3"), _device("gpu", "12.0")]
@@ -363,9 +364,7 @@ def test_native_fp4_supported_decides_by_capability_and_registration(monkeypatch
     monkeypatch.setenv("JAX_NVFP4_NATIVE_GEMM", "0")
     assert not blackwell.native_fp4_supported(_device("gpu", "10.0"))
     monkeypatch.delenv("JAX_NVFP4_NATIVE_GEMM")
-    monkeypatch.setattr(
-        _ffi_registry, "registered_targets", lambda: {"cuda": frozenset()}
-    )
+    monkeypatch.setattr(library, "registered_targets", lambda: {"cuda": frozenset()})
     assert not blackwell.native_fp4_supported(_device("gpu", "10.0"))
     with pytest.raises(TypeError, match="target must be"):
         blackwell.native_fp4_supported(3.0)
@@ -391,7 +390,7 @@ def test_native_gemm_on_blackwell_matches_cpu_handler(case, dtype):
     got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*on_gpu)
     exact, (a, b, alpha) = _exact(*args)
     bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
-    want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)
+    want = on_cpu(ops.matmul, *args, dtype=jnp.float32)
     assert np.all(np.abs(np.asarray(want, np.float64) - exact) <= bound)
     if dtype == jnp.float32:
         assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)
@@ -405,7 +404,7 @@ def _pre_blackwell_gpu_with_handler():
         gpus = jax.devices("gpu")
     except RuntimeError:
         return None
-    registered = _ffi_registry.registered_targets().get("cuda", frozenset())
+    registered = library.registered_targets().get("cuda", frozenset())
     if not gpus or blackwell.TARGET not in registered:
         return None
     return None if blackwell.native_fp4_supported(gpus[0]) else gpus[0]

@@ -1,5 +1,5 @@
-"""The matmul primitive's CUDA dispatch (jax_nvfp4.cuda_gemm) and the cuBLASLt
-bf16 GEMM handler with alpha in the epilogue (jax_nvfp4_matmul_bf16).
+"""The matmul primitive's CUDA dispatch (jax_nvfp4.ops.matmul) and the cuBLASLt
+bf16 GEMM handler with alpha in the epilogue (jax_nvfp4.backends.hopper).
 
 On CPU: which GEMM is chosen for which devices, registrations and switches;
 the one custom call the primitive lowers to for "cuda"; the exact bf16 decode;
@@ -26,10 +26,12 @@ import numpy as np
 import pytest
 from conftest import on_cpu
 
-from jax_nvfp4 import _ffi_registry, blackwell, cuda_gemm, primitives, reference
+from jax_nvfp4 import ops, reference
+from jax_nvfp4.backends import blackwell, devices, hopper, library
 from jax_nvfp4.format import e2m1_decode_table
+from jax_nvfp4.ops import matmul as ops_matmul
 
-BOTH = {"cuda": frozenset({cuda_gemm.TARGET, blackwell.TARGET})}
+BOTH = {"cuda": frozenset({hopper.TARGET, blackwell.TARGET})}
 MIB32 = 32 * 1024 * 1024
 
 # (batch, M, N, K, b batch, per-item a amax, per-item b amax): M and N odd or
@@ -122,8 +124,8 @@ def _assert_within(got, exact, bound, dtype):
 
 def test_gemm_path_by_capability_registration_and_switch(monkeypatch):
     registered = dict(BOTH)
-    monkeypatch.setattr(_ffi_registry, "registered_targets", lambda: registered)
-    path = cuda_gemm.gemm_path
+    monkeypatch.setattr(library, "registered_targets", lambda: registered)
+    path = ops_matmul.gemm_path
     assert path([_device("gpu", "10.0")]) == "native_fp4"
     assert path([_device("gpu", "12.0")]) == "native_fp4"
     assert path([_device("gpu", "9.0")]) == "cublaslt_bf16"
@@ -149,22 +151,22 @@ def test_gemm_path_by_capability_registration_and_switch(monkeypatch):
     monkeypatch.delenv("JAX_NVFP4_NATIVE_GEMM")
     monkeypatch.delenv("JAX_NVFP4_CUBLASLT_GEMM")
     # Handlers that were not built.
-    registered["cuda"] = frozenset({cuda_gemm.TARGET})
+    registered["cuda"] = frozenset({hopper.TARGET})
     assert path([_device("gpu", "10.0")]) == "cublaslt_bf16"
     registered["cuda"] = frozenset({blackwell.TARGET})
     assert path([_device("gpu", "9.0")]) == "xla_bf16"
     del registered["cuda"]
     assert path([_device("gpu", "9.0")]) == "xla_bf16"
-    assert not cuda_gemm.cublaslt_gemm_supported([_device("gpu", "9.0")])
+    assert not hopper.cublaslt_gemm_supported([_device("gpu", "9.0")])
 
 
 def test_gemm_path_defaults_to_the_cuda_backend(monkeypatch):
-    monkeypatch.setattr(_ffi_registry, "registered_targets", lambda: BOTH)
-    monkeypatch.setattr(cuda_gemm, "_cuda_devices", lambda: ())
-    assert cuda_gemm.gemm_path() == "xla_bf16"
-    monkeypatch.setattr(cuda_gemm, "_cuda_devices", lambda: (_device("gpu", "9.0"),))
-    assert cuda_gemm.gemm_path() == "cublaslt_bf16"
-    assert cuda_gemm.cublaslt_gemm_supported()
+    monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
+    monkeypatch.setattr(devices, "cuda_devices", lambda: ())
+    assert ops_matmul.gemm_path() == "xla_bf16"
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (_device("gpu", "9.0"),))
+    assert ops_matmul.gemm_path() == "cublaslt_bf16"
+    assert hopper.cublaslt_gemm_supported()
 
 
 @pytest.mark.parametrize("decoded", [False, True])
@@ -181,28 +183,28 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
 
         return fn
 
-    monkeypatch.setattr(cuda_gemm, "gemm_path", lambda: path)
+    monkeypatch.setattr(ops_matmul, "gemm_path", lambda: path)
     monkeypatch.setattr(blackwell, "matmul_native", fake("native_fp4"))
-    monkeypatch.setattr(cuda_gemm, "matmul_bf16", fake("cublaslt_bf16"))
+    monkeypatch.setattr(hopper, "matmul_bf16", fake("cublaslt_bf16"))
     monkeypatch.setattr(reference, "matmul_dequantize_bf16", fake("xla_bf16"))
     chosen = "cublaslt_bf16" if path == "native_fp4" and decoded else path
     args = [np.zeros(1, np.uint8)] * 6
     if decoded:  # b's codes hold its bfloat16 values
         args[3] = np.zeros(2, jnp.bfloat16)
-    assert cuda_gemm.matmul_cuda(*args, dtype=jnp.float32) == chosen
-    cuda = _ffi_registry.registered_targets().get("cuda", frozenset())
+    assert ops_matmul.matmul_cuda(*args, dtype=jnp.float32) == chosen
+    cuda = library.registered_targets().get("cuda", frozenset())
     options = {
         "native_fp4": {},
-        "cublaslt_bf16": {"decode_handler": cuda_gemm.DECODE_TARGET in cuda},
+        "cublaslt_bf16": {"decode_handler": hopper.DECODE_TARGET in cuda},
         "xla_bf16": {},
     }[chosen]
     assert called == [(chosen, 6, np.dtype(np.float32), options)]
 
 
 def test_matmul_cuda_without_a_gpu_is_xla_bf16_gemm(monkeypatch):
-    monkeypatch.setattr(cuda_gemm, "_cuda_devices", lambda: ())
+    monkeypatch.setattr(devices, "cuda_devices", lambda: ())
     args = _operands(1, *CASES[3])
-    got = jax.jit(functools.partial(cuda_gemm.matmul_cuda, dtype=jnp.float32))(*args)
+    got = jax.jit(functools.partial(ops_matmul.matmul_cuda, dtype=jnp.float32))(*args)
     want = jax.jit(
         functools.partial(reference.matmul_dequantize_bf16, dtype=jnp.float32)
     )(*args)
@@ -214,7 +216,7 @@ def _lowered_for_cuda(args, dtype):
     so that nothing is reused from an earlier lowering)."""
 
     def f(*xs):
-        return primitives.matmul(*xs, dtype=dtype)
+        return ops.matmul(*xs, dtype=dtype)
 
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -226,21 +228,21 @@ def _custom_calls(text):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("case", [CASES[1], CASES[4]])
 def test_lowers_to_one_handler_call_on_hopper(monkeypatch, case, dtype):
-    monkeypatch.setattr(_ffi_registry, "registered_targets", lambda: BOTH)
-    monkeypatch.setattr(cuda_gemm, "_cuda_devices", lambda: (_device("gpu", "9.0"),))
+    monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (_device("gpu", "9.0"),))
     monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS", raising=False)
     batch, m, n, k, b_batch, a_per_item, b_per_item = case
     args = _operands(2, *case)
     # JAX_NVFP4_GEMM_GRAPHS=0: the same handler, kept out of CUDA graphs.
     monkeypatch.setenv("JAX_NVFP4_GEMM_GRAPHS", "0")
     calls = _custom_calls(_lowered_for_cuda(args, dtype))
-    assert len(calls) == 1 and f"@{cuda_gemm.TARGET}(" in calls[0], calls
+    assert len(calls) == 1 and f"@{hopper.TARGET}(" in calls[0], calls
     monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS")
     text = _lowered_for_cuda(args, dtype)
     calls = _custom_calls(text)
-    assert len(calls) == 1 and f"@{cuda_gemm.GRAPH_TARGET}(" in calls[0], calls
+    assert len(calls) == 1 and f"@{hopper.GRAPH_TARGET}(" in calls[0], calls
     out = "bf16" if dtype == jnp.bfloat16 else "f32"
-    ws = cuda_gemm.workspace_bytes(batch)
+    ws = hopper.workspace_bytes(batch)
     a_n, b_n = (batch if a_per_item else 1), (b_batch if b_per_item else 1)
     assert (
         f"(tensor<{batch}x{m}x{k}xbf16>, tensor<{b_batch}x{n}x{k}xbf16>, "
@@ -257,14 +259,14 @@ def test_lowers_to_one_handler_call_on_hopper(monkeypatch, case, dtype):
 def test_hopper_lowering_decodes_with_the_handler_when_built(monkeypatch):
     """With jax_nvfp4_decode_bf16 built, the two operand decodes are its custom
     calls (bf16 out, the codes' shape with K doubled) ahead of the GEMM's."""
-    targets = {"cuda": BOTH["cuda"] | {cuda_gemm.DECODE_TARGET}}
-    monkeypatch.setattr(_ffi_registry, "registered_targets", lambda: targets)
-    monkeypatch.setattr(cuda_gemm, "_cuda_devices", lambda: (_device("gpu", "9.0"),))
+    targets = {"cuda": BOTH["cuda"] | {hopper.DECODE_TARGET}}
+    monkeypatch.setattr(library, "registered_targets", lambda: targets)
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (_device("gpu", "9.0"),))
     batch, m, n, k, b_batch, _, _ = CASES[1]
     calls = _custom_calls(_lowered_for_cuda(_operands(2, *CASES[1]), jnp.bfloat16))
     assert len(calls) == 3, calls
-    decodes = [c for c in calls if f"@{cuda_gemm.DECODE_TARGET}(" in c]
-    assert len(decodes) == 2 and f"@{cuda_gemm.GRAPH_TARGET}(" in calls[2]
+    decodes = [c for c in calls if f"@{hopper.DECODE_TARGET}(" in c]
+    assert len(decodes) == 2 and f"@{hopper.GRAPH_TARGET}(" in calls[2]
     assert f"-> tensor<{batch}x{m}x{k}xbf16>" in decodes[0]
     assert f"-> tensor<{b_batch}x{n}x{k}xbf16>" in decodes[1]
 
@@ -272,16 +274,16 @@ def test_hopper_lowering_decodes_with_the_handler_when_built(monkeypatch):
 def test_decode_bf16_cuda_checks_shapes():
     codes = jnp.zeros((2, 4, 8), jnp.uint8)
     with pytest.raises(ValueError, match="scales"):
-        cuda_gemm.decode_bf16_cuda(codes, jnp.zeros((2, 4, 2), jnp.float8_e4m3fn))
+        hopper.decode_bf16_cuda(codes, jnp.zeros((2, 4, 2), jnp.float8_e4m3fn))
     with pytest.raises(ValueError, match="multiple of 16"):
-        cuda_gemm.decode_bf16_cuda(
+        hopper.decode_bf16_cuda(
             jnp.zeros((2, 4, 4), jnp.uint8), jnp.zeros((2, 4, 0), jnp.float8_e4m3fn)
         )
 
 
 def test_lowering_without_a_gpu_keeps_xla_gemm(monkeypatch):
-    monkeypatch.setattr(_ffi_registry, "registered_targets", lambda: BOTH)
-    monkeypatch.setattr(cuda_gemm, "_cuda_devices", lambda: ())
+    monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
+    monkeypatch.setattr(devices, "cuda_devices", lambda: ())
     text = _lowered_for_cuda(_operands(3, *CASES[0]), jnp.bfloat16)
     assert not _custom_calls(text) and "dot_general" in text
 
@@ -299,7 +301,7 @@ def test_decode_bf16_is_exact():
     grid_scales = np.broadcast_to(
         scale_bytes[:, None, None], (len(scale_bytes), 256, 1)
     )
-    got = cuda_gemm.decode_bf16(
+    got = hopper.decode_bf16(
         jnp.asarray(grid_codes), jnp.asarray(grid_scales).view(jnp.float8_e4m3fn)
     )
     assert got.dtype == jnp.bfloat16 and got.shape == (len(scale_bytes), 256, 16)
@@ -316,7 +318,7 @@ def test_decode_bf16_cuda_matches_twin(codes_shape):
     code byte with every scale byte (NaN bytes: NaN in both), then random
     codes and scales in shapes whose element count is no multiple of the
     kernel's 8 x 256 x 4 elements per CTA step."""
-    assert cuda_gemm.DECODE_TARGET in _ffi_registry.registered_targets()["cuda"]
+    assert hopper.DECODE_TARGET in library.registered_targets()["cuda"]
     if codes_shape == (256, 256, 8):
         codes = np.broadcast_to(
             np.arange(256, dtype=np.uint8)[None, :, None], codes_shape
@@ -331,8 +333,8 @@ def test_decode_bf16_cuda_matches_twin(codes_shape):
         scales = scales.astype(np.uint8)
     codes = jnp.asarray(codes)
     scales = jnp.asarray(scales).view(jnp.float8_e4m3fn)
-    got = np.asarray(jax.jit(cuda_gemm.decode_bf16_cuda)(codes, scales))
-    want = np.asarray(jax.jit(cuda_gemm.decode_bf16)(codes, scales))
+    got = np.asarray(jax.jit(hopper.decode_bf16_cuda)(codes, scales))
+    want = np.asarray(jax.jit(hopper.decode_bf16)(codes, scales))
     assert got.dtype == want.dtype == jnp.bfloat16 and got.shape == want.shape
     nan = np.isnan(want.astype(np.float32))
     np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
@@ -366,13 +368,13 @@ def _emulated_handler(a, b, a_amax, b_amax, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("case", CASES[1:5])
 def test_matmul_bf16_hands_the_handler_its_operands(monkeypatch, case, dtype):
-    monkeypatch.setattr(cuda_gemm, "_call_handler", _emulated_handler)
+    monkeypatch.setattr(hopper, "_call_handler", _emulated_handler)
     args = _operands(4, *case)
-    got = jax.jit(functools.partial(cuda_gemm.matmul_bf16, dtype=dtype))(*args)
+    got = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*args)
     exact, bound = _exact(*args)
     assert got.shape == exact.shape and got.dtype == dtype
     _assert_within(got, exact, bound, dtype)
-    want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)  # the CPU handler
+    want = on_cpu(ops.matmul, *args, dtype=jnp.float32)  # the CPU handler
     _assert_within(want, exact, bound, jnp.float32)
 
 
@@ -380,19 +382,19 @@ def test_matmul_bf16_skips_empty_problems(monkeypatch):
     def fail(*args):
         raise AssertionError("the handler must not be called")
 
-    monkeypatch.setattr(cuda_gemm, "_call_handler", fail)
+    monkeypatch.setattr(hopper, "_call_handler", fail)
     a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = _operands(5, *CASES[3])
-    out = cuda_gemm.matmul_bf16(
+    out = hopper.matmul_bf16(
         a_codes[:, :0], a_scales[:, :0], a_amax, b_codes, b_scales, b_amax,
         dtype=jnp.float32,
     )  # fmt: skip
     assert out.shape == (2, 0, 17)
-    out = cuda_gemm.matmul_bf16(
+    out = hopper.matmul_bf16(
         a_codes, a_scales, a_amax, b_codes[:, :0], b_scales[:, :0], b_amax,
         dtype=jnp.bfloat16,
     )  # fmt: skip
     assert out.shape == (2, 33, 0)
-    out = cuda_gemm.matmul_bf16(
+    out = hopper.matmul_bf16(
         a_codes[..., :0], a_scales[..., :0], a_amax,
         b_codes[..., :0], b_scales[..., :0], b_amax, dtype=jnp.bfloat16,
     )  # fmt: skip
@@ -403,15 +405,15 @@ def test_matmul_bf16_skips_empty_problems(monkeypatch):
 def test_matmul_bf16_errors_say_what_to_change():
     args = _operands(6, *CASES[4])
     with pytest.raises(TypeError, match="dtype must be bfloat16 or float32"):
-        cuda_gemm.matmul_bf16(*args, dtype=jnp.float16)
+        hopper.matmul_bf16(*args, dtype=jnp.float16)
     a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = args
     with pytest.raises(ValueError, match="both must be the same multiple of 16"):
-        cuda_gemm.matmul_bf16(
+        hopper.matmul_bf16(
             a_codes, a_scales, a_amax, b_codes[..., :8], b_scales[..., :1], b_amax,
             dtype=jnp.float32,
         )  # fmt: skip
     with pytest.raises(ValueError, match="b_amax must have 1 or 4"):
-        cuda_gemm.matmul_bf16(
+        hopper.matmul_bf16(
             a_codes, a_scales, a_amax, b_codes, b_scales, b_amax[:2],
             dtype=jnp.float32,
         )  # fmt: skip
@@ -446,7 +448,7 @@ def test_handler_call_plan(b_batch, a_amax, b_amax, calls, call_batch, call_m):
         a_amax=[a_amax],
         b_amax=[b_amax],
         out=[batch, m, n],
-        workspace=[cuda_gemm.workspace_bytes(batch)],
+        workspace=[hopper.workspace_bytes(batch)],
     )
     assert plan == {
         "batch": batch,
@@ -520,7 +522,7 @@ def _bf16_gemm_gpu():
         gpus = jax.devices("gpu")
     except RuntimeError:
         gpus = []
-    if not gpus or not cuda_gemm.cublaslt_gemm_supported(gpus):
+    if not gpus or not hopper.cublaslt_gemm_supported(gpus):
         pytest.skip("needs a CUDA GPU of compute capability >= 8.0 with the "
                     "jax_nvfp4_matmul_bf16 handler built")  # fmt: skip
     return gpus[0]
@@ -533,36 +535,36 @@ def test_handler_matches_cpu_handler(case, dtype):
     gpu = _bf16_gemm_gpu()
     args = _operands(7, *case)
     on_gpu = [jax.device_put(x, gpu) for x in args]
-    got = jax.jit(functools.partial(cuda_gemm.matmul_bf16, dtype=dtype))(*on_gpu)
+    got = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*on_gpu)
     exact, bound = _exact(*args)
     assert got.shape == exact.shape and got.dtype == dtype
     _assert_within(got, exact, bound, dtype)
-    want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)  # the CPU handler
+    want = on_cpu(ops.matmul, *args, dtype=jnp.float32)  # the CPU handler
     _assert_within(want, exact, bound, jnp.float32)
     # Run again: the cached algorithm gives the same bytes.
-    again = jax.jit(functools.partial(cuda_gemm.matmul_bf16, dtype=dtype))(*on_gpu)
+    again = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*on_gpu)
     np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
 
 
 @pytest.mark.gpu
 def test_primitive_lowers_to_the_handler_on_gpu(monkeypatch):
     gpu = _bf16_gemm_gpu()
-    if cuda_gemm.gemm_path([gpu]) != "cublaslt_bf16":
+    if ops_matmul.gemm_path([gpu]) != "cublaslt_bf16":
         pytest.skip("this GPU uses another GEMM (e.g. native FP4)")
     args = [jax.device_put(x, gpu) for x in _operands(8, *CASES[4])]
 
     def f(*xs):
-        return primitives.matmul(*xs, dtype=jnp.bfloat16)
+        return ops.matmul(*xs, dtype=jnp.bfloat16)
 
     text = jax.jit(f).lower(*args).as_text()
-    assert f"@{cuda_gemm.GRAPH_TARGET}(" in text  # the graph-safe default
+    assert f"@{hopper.GRAPH_TARGET}(" in text  # the graph-safe default
     got = jax.jit(f)(*args)
     monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "0")
 
     def g(*xs):  # a new function: lowered anew, with the switch off
-        return primitives.matmul(*xs, dtype=jnp.bfloat16)
+        return ops.matmul(*xs, dtype=jnp.bfloat16)
 
-    assert cuda_gemm.TARGET not in jax.jit(g).lower(*args).as_text()
+    assert hopper.TARGET not in jax.jit(g).lower(*args).as_text()
     exact, bound = _exact(*_operands(8, *CASES[4]))
     _assert_within(got, exact, bound, jnp.bfloat16)
     _assert_within(jax.jit(g)(*args), exact, bound, jnp.bfloat16)
@@ -571,10 +573,10 @@ def test_primitive_lowers_to_the_handler_on_gpu(monkeypatch):
 def _raw_call(a, b, a_amax, b_amax, out_shape, dtype=jnp.float32):
     """The custom call with operands and result shapes as given."""
     out, _ = jax.ffi.ffi_call(
-        cuda_gemm.TARGET,
+        hopper.TARGET,
         (
             jax.ShapeDtypeStruct(out_shape, dtype),
-            jax.ShapeDtypeStruct((cuda_gemm.workspace_bytes(a.shape[0]),), jnp.uint8),
+            jax.ShapeDtypeStruct((hopper.workspace_bytes(a.shape[0]),), jnp.uint8),
         ),
     )(a, b, a_amax, b_amax)
     return out
@@ -604,9 +606,7 @@ def test_handler_on_empty_problems():
         args = [
             jax.device_put(x, gpu) for x in _operands(9, 2, 0, 7, 16, 1, False, False)
         ]
-        out = jax.jit(functools.partial(cuda_gemm.matmul_bf16, dtype=jnp.bfloat16))(
-            *args
-        )
+        out = jax.jit(functools.partial(hopper.matmul_bf16, dtype=jnp.bfloat16))(*args)
         assert out.shape == (2, 0, 7)
 
 
@@ -626,9 +626,9 @@ def test_handler_rejects_inconsistent_shapes_on_gpu():
 
 
 # Run in a fresh process, with XLA putting even a single custom call into a
-# command buffer. Phase 1: first calls (jax 0.11.2 runs the handler once
-# outside the capture before it records the graph, so cuBLASLt's setup
-# happened there on the H200, 2026-11-30). Phase 2: the handler forgets its
+# command buffer. Phase 1: first calls (XLA may run the handler once outside
+# the capture before it records the graph, so cuBLASLt's setup can happen
+# there). Phase 2: the handler forgets its
 # handles and algorithms, and new operands (new addresses) make XLA capture
 # the handler again: the setup then runs inside the capture
 # (CaptureSafeSetup).
@@ -637,10 +637,11 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np
 import test_cuda_gemm as t
-from jax_nvfp4 import _ffi, cuda_gemm
+from jax_nvfp4 import _ffi
+from jax_nvfp4.backends import hopper
 
 gpu = jax.devices("gpu")[0]
-f = jax.jit(lambda *xs: cuda_gemm.matmul_bf16(*xs, dtype=jnp.float32))
+f = jax.jit(lambda *xs: hopper.matmul_bf16(*xs, dtype=jnp.float32))
 results, alive = [], []  # phase 1's operands stay alive: new addresses below
 for seed, case in enumerate(t.CASES[:3]):
     args = t._operands(20 + seed, *case)
@@ -666,7 +667,7 @@ print(json.dumps({{"replay_equal": results, "phase1": phase1,
 @pytest.mark.gpu
 def test_handler_runs_inside_cuda_graph_capture():
     gpu = _bf16_gemm_gpu()
-    if cuda_gemm.gemm_path([gpu]) != "cublaslt_bf16":
+    if ops_matmul.gemm_path([gpu]) != "cublaslt_bf16":
         pytest.skip("this GPU uses another GEMM (e.g. native FP4)")
     env = dict(os.environ)
     env.pop("JAX_NVFP4_GEMM_GRAPHS", None)

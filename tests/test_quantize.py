@@ -161,7 +161,7 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
     CUDA kernel's decoded stores) gives exactly decode_bf16 of the codes it
     would have written, the same scales, and the undecoded side unchanged;
     also vmapped (two batch items with their own scales)."""
-    from jax_nvfp4.cuda_gemm import decode_bf16
+    from jax_nvfp4.backends.hopper import decode_bf16
 
     x = _edge_blocks(outlier_data(19, (2, 144, 160), jnp.bfloat16))
     # The edge data is all there: -inf, the subnormal tile, the 1e-30 block.
@@ -241,32 +241,22 @@ def test_decoded_request_the_kernel_cannot_serve_gives_codes(options):
 def test_decoded_handler_refuses_what_the_kernel_cannot_serve():
     """Called directly with a float32 x, the CUDA handler for decoded outputs
     refuses with what to do (the Python wrapper never asks it to)."""
-    from jax_nvfp4 import _ffi_registry, primitives
+    from jax_nvfp4 import ops
+    from jax_nvfp4.backends import library
 
-    if (
-        "jax_nvfp4_quantize_rows_cols_decoded"
-        not in _ffi_registry.registered_targets().get("cuda", frozenset())
-    ):
+    if "jax_nvfp4_quantize_rows_cols" not in library.targets_on("cuda"):
         pytest.skip("the CUDA handlers are not built")
     x = jnp.ones((1, 32, 32), jnp.float32)
     one = jnp.ones(1, jnp.float32)
     with pytest.raises(Exception, match="decoded outputs need a bfloat16 x"):
         jax.block_until_ready(
-            primitives.quantize_rows_cols_decoded(
+            ops.quantize_rows_cols(
                 x,
                 one,
                 one,
                 jnp.zeros((1, 2), jnp.uint32),
-                row_tile_rows=1,
-                row_stochastic=False,
-                row_rht=False,
-                row_stream=0,
-                row_decoded=True,
-                col_tile_rows=1,
-                col_stochastic=False,
-                col_rht=False,
-                col_stream=1,
-                col_decoded=False,
+                rows=ops.QuantizeSpec(decoded=True),
+                cols=ops.QuantizeSpec(stream=1),
             )
         )
 
@@ -366,8 +356,8 @@ def test_fused_recipe_options_match_reference(
 @pytest.mark.parametrize("col_rounding", ["nearest", "stochastic"])
 def test_fused_kernel_batch_items_with_their_own_scales(col_rounding):
     """The vmapped fused quantize (one QuantizePrivateTileKernel launch over 4
-    batch items whose global scales differ by 16x, 2048 tiles: more than an
-    H200 holds CTAs at once) equals the items quantized one by one."""
+    batch items whose global scales differ by 16x, 2048 tiles: more than a
+    GPU holds CTAs at once) equals the items quantized one by one."""
     xs = jax.random.normal(jax.random.key(3), (4, 1024, 4096), jnp.bfloat16)
     xs = xs * (16.0 ** jnp.arange(4, dtype=jnp.bfloat16))[:, None, None]
     key = jax.random.key(4)
@@ -462,13 +452,13 @@ def test_handlers_are_used():
     source tree without the built extension silently runs the twin)."""
     from conftest import has_gpu
 
-    from jax_nvfp4 import _ffi_registry
+    from jax_nvfp4.backends import library
 
-    assert "cpu" in nv.available_platforms(), _ffi_registry.handler_source()
+    assert "cpu" in nv.available_platforms(), library.handler_source()
     if has_gpu():
         assert "cuda" in nv.available_platforms(), (
             f"a GPU is present but the CUDA handlers are not loaded from "
-            f"{_ffi_registry.handler_source()}: build with JAX_NVFP4_CUDA=ON and "
+            f"{library.handler_source()}: build with JAX_NVFP4_CUDA=ON and "
             "run pytest outside the source tree (python -P -m pytest, or the "
             "pytest command)"
         )

@@ -1,4 +1,4 @@
-"""Sharded NVFP4 equals one device (issue 4), on 8 virtual CPU devices.
+"""Sharded NVFP4 equals one device, on 8 virtual CPU devices.
 
 tests/sharding_checks.py runs every case once in a subprocess (XLA_FLAGS is
 read when JAX starts) and reports JSON; the tests below assert on it:

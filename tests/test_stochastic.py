@@ -9,6 +9,7 @@ import numpy as np
 from conftest import assert_same_bytes, on_cpu
 
 import jax_nvfp4 as nv
+from jax_nvfp4.ops import Place, QuantizeSpec
 
 
 def _sr(x, key, **kw):
@@ -84,25 +85,18 @@ def _raw(a):
     return np.asarray(a).view(np.uint8)
 
 
-def _quantize_block(ops, x3, origin, global_mk, amaxes, words):
+def _quantize_block(impl, x3, origin, global_mk, amaxes, words):
     """Both quantizations (SR, RHT on the column-wise one) of x3 [b, m, k]
     placed at `origin` in a tensor of global (m, k)."""
-    return ops.quantize_rows_cols(
+    return impl.quantize_rows_cols(
         x3,
         amaxes[0].reshape(1),
         amaxes[1].reshape(1),
         words,
         jnp.asarray(origin, jnp.int32),
-        global_m=global_mk[0],
-        global_k=global_mk[1],
-        row_tile_rows=1,
-        row_stochastic=True,
-        row_rht=False,
-        row_stream=0,
-        col_tile_rows=1,
-        col_stochastic=True,
-        col_rht=True,
-        col_stream=1,
+        rows=QuantizeSpec(stochastic=True, stream=0),
+        cols=QuantizeSpec(stochastic=True, rht=True, stream=1),
+        place=Place(global_m=global_mk[0], global_k=global_mk[1]),
     )
 
 
@@ -110,12 +104,12 @@ def test_a_shard_draws_the_bits_of_its_place_in_the_whole_tensor():
     """What a partitioned call does per shard: quantizing a block placed at
     an origin (the handler's origin operand) gives exactly the bytes of that
     block of the whole tensor's quantization, on every backend."""
-    from jax_nvfp4 import primitives, reference
+    from jax_nvfp4 import ops, reference
 
     x = jax.random.normal(jax.random.key(4), (2, 64, 96), jnp.bfloat16)
     words = jax.random.key_data(jax.random.key(9)).reshape(1, 2)
     amaxes = (jnp.float32(4.5), jnp.float32(6.0))
-    whole = _quantize_block(primitives, x, (0, 0, 0), (64, 96), amaxes, words)
+    whole = _quantize_block(ops, x, (0, 0, 0), (64, 96), amaxes, words)
     # Batch item 1, rows 16:48, columns 32:64.
     block = x[1:2, 16:48, 32:64]
     expected = (
@@ -124,14 +118,14 @@ def test_a_shard_draws_the_bits_of_its_place_in_the_whole_tensor():
         whole[2][1:2, 32:64, 8:24],  # column codes [b, k, m/2]
         whole[3][1:2, 32:64, 1:3],  # column scales [b, k, m/16]
     )
-    for ops in (primitives, reference):
-        got = jax.jit(functools.partial(_quantize_block, ops), static_argnums=(2,))(
+    for impl in (ops, reference):
+        got = jax.jit(functools.partial(_quantize_block, impl), static_argnums=(2,))(
             block, (1, 16, 32), (64, 96), amaxes, words
         )
         for e, g in zip(expected, got, strict=True):
             np.testing.assert_array_equal(_raw(e), _raw(g))
     # And the block's own quantization (origin 0) draws different bits.
-    alone = _quantize_block(primitives, block, (0, 0, 0), (32, 32), amaxes, words)
+    alone = _quantize_block(ops, block, (0, 0, 0), (32, 32), amaxes, words)
     assert np.mean(np.asarray(alone[0]) != np.asarray(expected[0])) > 0.1
 
 
