@@ -1,14 +1,12 @@
-"""The matmul primitive's CUDA dispatch (jax_nvfp4.ops.matmul) and the cuBLASLt
-bf16 GEMM handler with alpha in the epilogue (jax_nvfp4.backends.hopper).
+"""The cuBLASLt bf16 GEMM handler with alpha in the epilogue
+(jax_nvfp4.backends.hopper).
 
-On CPU: which GEMM is chosen for which devices, registrations and switches;
-the one custom call the primitive lowers to for "cuda"; the exact bf16 decode;
-the operands handed to the handler (with the custom call replaced by a float64
-emulation of its contract); the handler's shape checks and call plan (C++,
-through the extension). On a GPU: the real handler against the CPU handler
-within float32 accumulation error -- batched, shared and per-item b, per-item
-amaxes, bfloat16 and float32 output, odd shapes, empty problems -- and its
-errors."""
+On CPU: the exact bf16 decode; the operands handed to the handler (with the
+custom call replaced by a float64 emulation of its contract); the handler's
+shape checks and call plan (C++, through the extension). On a GPU: the real
+handler against the CPU handler within float32 accumulation error -- batched,
+shared and per-item b, per-item amaxes, bfloat16 and float32 output, odd
+shapes, empty problems -- its errors, and its capture into CUDA graphs."""
 
 import functools
 import json
@@ -17,276 +15,25 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import types
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from conftest import on_cpu
+from gemm_cases import (
+    CASES,
+    MIB32,
+    alpha64,
+    assert_within,
+    decode64,
+    exact_result,
+    random_operands,
+)
 
-from jax_nvfp4 import ops, reference
-from jax_nvfp4.backends import blackwell, devices, hopper, library
-from jax_nvfp4.format import e2m1_decode_table
+from jax_nvfp4 import ops
+from jax_nvfp4.backends import hopper, library
 from jax_nvfp4.ops import matmul as ops_matmul
-
-BOTH = {"cuda": frozenset({hopper.TARGET, blackwell.TARGET})}
-MIB32 = 32 * 1024 * 1024
-
-# (batch, M, N, K, b batch, per-item a amax, per-item b amax): M and N odd or
-# unaligned, K a multiple of 16. Together they cover the handler's three call
-# plans: items stacked along M (one alpha, shared b), a strided batch (one
-# alpha, b per item) and one call per item (one alpha per item).
-CASES = [
-    (1, 37, 53, 48, 1, False, False),
-    (3, 29, 71, 80, 1, False, False),
-    (3, 29, 71, 80, 3, False, False),
-    (2, 33, 17, 64, 1, True, False),
-    (4, 19, 45, 32, 4, True, True),
-    (2, 128, 256, 256, 2, False, True),
-]
-
-
-def _device(platform, capability):
-    return types.SimpleNamespace(platform=platform, compute_capability=capability)
-
-
-def _operands(seed, batch, m, n, k, b_batch, a_per_item, b_per_item):
-    """Random codes, non-negative E4M3 scale bytes (0x00-0x7E) and amaxes."""
-    rng = np.random.default_rng(seed)
-
-    def side(items, rows, per_item):
-        codes = rng.integers(0, 256, (items, rows, k // 2), dtype=np.uint8)
-        scales = rng.integers(0, 0x7F, (items, rows, k // 16), dtype=np.uint8)
-        amax = rng.uniform(0.5, 40.0, items if per_item else 1).astype(np.float32)
-        return (
-            jnp.asarray(codes),
-            jnp.asarray(scales).view(jnp.float8_e4m3fn),
-            jnp.asarray(amax),
-        )
-
-    return (*side(batch, m, a_per_item), *side(b_batch, n, b_per_item))
-
-
-def _decode64(codes, scales):
-    """e2m1(code) * block scale in float64: [.., rows, K]."""
-    codes = np.asarray(codes)
-    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
-        *codes.shape[:-1], -1
-    )
-    values = e2m1_decode_table().astype(np.float64)[nibbles]
-    scales = np.asarray(scales).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    return values * np.repeat(scales, 16, axis=-1)
-
-
-def _alpha(a_amax, b_amax, batch):
-    """alpha per item as the handlers compute it: float32 IEEE division in the
-    spec's order, broadcast over the batch."""
-    r = np.float32(2688.0)
-    a = np.broadcast_to(np.asarray(a_amax, np.float32).reshape(-1), (batch,))
-    b = np.broadcast_to(np.asarray(b_amax, np.float32).reshape(-1), (batch,))
-    return (a / r) * (b / r)
-
-
-def _exact(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax):
-    """The spec in float64 (alpha as float32), and a bound on the error of any
-    float32 accumulation order: 2 K 2^-24 sum_k |a b| alpha, with a margin,
-    plus the rounding of alpha * acc to float32."""
-    a = _decode64(a_codes, a_scales)
-    b = _decode64(b_codes, b_scales)
-    b = np.broadcast_to(b, (a.shape[0], *b.shape[1:]))
-    alpha = _alpha(a_amax, b_amax, a.shape[0]).astype(np.float64)[:, None, None]
-    exact = np.einsum("bmk,bnk->bmn", a, b) * alpha
-    mag = np.einsum("bmk,bnk->bmn", np.abs(a), np.abs(b)) * alpha
-    bound = 2 * a.shape[-1] * 2.0**-24 * mag * 1.01 + np.abs(exact) * 2.0**-23
-    return exact, bound
-
-
-def _assert_within(got, exact, bound, dtype):
-    """float32: |got - exact| <= bound. bfloat16: got is the rounding of a
-    float32 within the bound, so (rounding being monotonic) it lies between
-    the roundings of exact - bound and exact + bound."""
-    got = np.asarray(got).astype(np.float64)
-    if np.dtype(dtype) == np.float32:
-        assert np.all(np.abs(got - exact) <= bound)
-        return
-
-    def to_bf16(x):
-        return x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
-
-    assert np.all(to_bf16(exact - bound) <= got)
-    assert np.all(got <= to_bf16(exact + bound))
-
-
-# --- dispatch ------------------------------------------------------------------
-
-
-def test_gemm_path_by_capability_registration_and_switch(monkeypatch):
-    registered = dict(BOTH)
-    monkeypatch.setattr(library, "registered_targets", lambda: registered)
-    path = ops_matmul.gemm_path
-    assert path([_device("gpu", "10.0")]) == "native_fp4"
-    assert path([_device("gpu", "12.0")]) == "native_fp4"
-    assert path([_device("gpu", "9.0")]) == "cublaslt_bf16"
-    assert path([_device("gpu", "8.0"), _device("gpu", "8.9")]) == "cublaslt_bf16"
-    # Every device must qualify.
-    assert path([_device("gpu", "10.0"), _device("gpu", "9.0")]) == "cublaslt_bf16"
-    assert path([_device("gpu", "9.0"), _device("gpu", "7.5")]) == "xla_bf16"
-    assert path([_device("gpu", "7.5")]) == "xla_bf16"
-    assert path([_device("gpu", None)]) == "xla_bf16"  # e.g. ROCm
-    assert path([_device("gpu", "gfx90a")]) == "xla_bf16"
-    assert path(jax.devices("cpu")) == "xla_bf16"
-    assert path([]) == "xla_bf16"  # lowering for "cuda" without a GPU
-    # The switches, read at each decision.
-    for off in ("0", "false", " OFF ", "no"):
-        monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", off)
-        assert path([_device("gpu", "9.0")]) == "xla_bf16"
-        assert path([_device("gpu", "10.0")]) == "native_fp4"
-    monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "1")
-    monkeypatch.setenv("JAX_NVFP4_NATIVE_GEMM", "0")
-    assert path([_device("gpu", "10.0")]) == "cublaslt_bf16"
-    monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "0")
-    assert path([_device("gpu", "10.0")]) == "xla_bf16"
-    monkeypatch.delenv("JAX_NVFP4_NATIVE_GEMM")
-    monkeypatch.delenv("JAX_NVFP4_CUBLASLT_GEMM")
-    # Handlers that were not built.
-    registered["cuda"] = frozenset({hopper.TARGET})
-    assert path([_device("gpu", "10.0")]) == "cublaslt_bf16"
-    registered["cuda"] = frozenset({blackwell.TARGET})
-    assert path([_device("gpu", "9.0")]) == "xla_bf16"
-    del registered["cuda"]
-    assert path([_device("gpu", "9.0")]) == "xla_bf16"
-    assert not hopper.cublaslt_gemm_supported([_device("gpu", "9.0")])
-
-
-def test_gemm_path_defaults_to_the_cuda_backend(monkeypatch):
-    monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
-    monkeypatch.setattr(devices, "cuda_devices", lambda: ())
-    assert ops_matmul.gemm_path() == "xla_bf16"
-    monkeypatch.setattr(devices, "cuda_devices", lambda: (_device("gpu", "9.0"),))
-    assert ops_matmul.gemm_path() == "cublaslt_bf16"
-    assert hopper.cublaslt_gemm_supported()
-
-
-@pytest.mark.parametrize("decoded", [False, True])
-@pytest.mark.parametrize("path", ["native_fp4", "cublaslt_bf16", "xla_bf16"])
-def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
-    """Each path's GEMM gets the operands; a decoded operand (bf16 values,
-    not codes) takes the bf16 GEMM on Blackwell too."""
-    called = []
-
-    def fake(name):
-        def fn(*args, dtype, **options):
-            called.append((name, len(args), np.dtype(dtype), options))
-            return name
-
-        return fn
-
-    monkeypatch.setattr(ops_matmul, "gemm_path", lambda: path)
-    monkeypatch.setattr(blackwell, "matmul_native", fake("native_fp4"))
-    monkeypatch.setattr(hopper, "matmul_bf16", fake("cublaslt_bf16"))
-    monkeypatch.setattr(reference, "matmul_dequantize_bf16", fake("xla_bf16"))
-    chosen = "cublaslt_bf16" if path == "native_fp4" and decoded else path
-    args = [np.zeros(1, np.uint8)] * 6
-    if decoded:  # b's codes hold its bfloat16 values
-        args[3] = np.zeros(2, jnp.bfloat16)
-    assert ops_matmul.matmul_cuda(*args, dtype=jnp.float32) == chosen
-    cuda = library.registered_targets().get("cuda", frozenset())
-    options = {
-        "native_fp4": {},
-        "cublaslt_bf16": {"decode_handler": hopper.DECODE_TARGET in cuda},
-        "xla_bf16": {},
-    }[chosen]
-    assert called == [(chosen, 6, np.dtype(np.float32), options)]
-
-
-def test_matmul_cuda_without_a_gpu_is_xla_bf16_gemm(monkeypatch):
-    monkeypatch.setattr(devices, "cuda_devices", lambda: ())
-    args = _operands(1, *CASES[3])
-    got = jax.jit(functools.partial(ops_matmul.matmul_cuda, dtype=jnp.float32))(*args)
-    want = jax.jit(
-        functools.partial(reference.matmul_dequantize_bf16, dtype=jnp.float32)
-    )(*args)
-    np.testing.assert_array_equal(got, want)
-
-
-def _lowered_for_cuda(args, dtype):
-    """StableHLO text of the matmul primitive lowered for "cuda" (a fresh jit,
-    so that nothing is reused from an earlier lowering)."""
-
-    def f(*xs):
-        return ops.matmul(*xs, dtype=dtype)
-
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def _custom_calls(text):
-    return [line for line in text.splitlines() if "stablehlo.custom_call" in line]
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("case", [CASES[1], CASES[4]])
-def test_lowers_to_one_handler_call_on_hopper(monkeypatch, case, dtype):
-    monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
-    monkeypatch.setattr(devices, "cuda_devices", lambda: (_device("gpu", "9.0"),))
-    monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS", raising=False)
-    batch, m, n, k, b_batch, a_per_item, b_per_item = case
-    args = _operands(2, *case)
-    # JAX_NVFP4_GEMM_GRAPHS=0: the same handler, kept out of CUDA graphs.
-    monkeypatch.setenv("JAX_NVFP4_GEMM_GRAPHS", "0")
-    calls = _custom_calls(_lowered_for_cuda(args, dtype))
-    assert len(calls) == 1 and f"@{hopper.TARGET}(" in calls[0], calls
-    monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS")
-    text = _lowered_for_cuda(args, dtype)
-    calls = _custom_calls(text)
-    assert len(calls) == 1 and f"@{hopper.GRAPH_TARGET}(" in calls[0], calls
-    out = "bf16" if dtype == jnp.bfloat16 else "f32"
-    ws = hopper.workspace_bytes(batch)
-    a_n, b_n = (batch if a_per_item else 1), (b_batch if b_per_item else 1)
-    assert (
-        f"(tensor<{batch}x{m}x{k}xbf16>, tensor<{b_batch}x{n}x{k}xbf16>, "
-        f"tensor<{a_n}xf32>, tensor<{b_n}xf32>) -> "
-        f"(tensor<{batch}x{m}x{n}x{out}>, tensor<{ws}xui8>)"
-    ) in calls[0]
-    assert "dot_general" not in text  # the GEMM is the handler's
-    # Switched off: XLA's GEMM, no custom call.
-    monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "0")
-    text = _lowered_for_cuda(args, dtype)
-    assert not _custom_calls(text) and "dot_general" in text
-
-
-def test_hopper_lowering_decodes_with_the_handler_when_built(monkeypatch):
-    """With jax_nvfp4_decode_bf16 built, the two operand decodes are its custom
-    calls (bf16 out, the codes' shape with K doubled) ahead of the GEMM's."""
-    targets = {"cuda": BOTH["cuda"] | {hopper.DECODE_TARGET}}
-    monkeypatch.setattr(library, "registered_targets", lambda: targets)
-    monkeypatch.setattr(devices, "cuda_devices", lambda: (_device("gpu", "9.0"),))
-    batch, m, n, k, b_batch, _, _ = CASES[1]
-    calls = _custom_calls(_lowered_for_cuda(_operands(2, *CASES[1]), jnp.bfloat16))
-    assert len(calls) == 3, calls
-    decodes = [c for c in calls if f"@{hopper.DECODE_TARGET}(" in c]
-    assert len(decodes) == 2 and f"@{hopper.GRAPH_TARGET}(" in calls[2]
-    assert f"-> tensor<{batch}x{m}x{k}xbf16>" in decodes[0]
-    assert f"-> tensor<{b_batch}x{n}x{k}xbf16>" in decodes[1]
-
-
-def test_decode_bf16_cuda_checks_shapes():
-    codes = jnp.zeros((2, 4, 8), jnp.uint8)
-    with pytest.raises(ValueError, match="scales"):
-        hopper.decode_bf16_cuda(codes, jnp.zeros((2, 4, 2), jnp.float8_e4m3fn))
-    with pytest.raises(ValueError, match="multiple of 16"):
-        hopper.decode_bf16_cuda(
-            jnp.zeros((2, 4, 4), jnp.uint8), jnp.zeros((2, 4, 0), jnp.float8_e4m3fn)
-        )
-
-
-def test_lowering_without_a_gpu_keeps_xla_gemm(monkeypatch):
-    monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
-    monkeypatch.setattr(devices, "cuda_devices", lambda: ())
-    text = _lowered_for_cuda(_operands(3, *CASES[0]), jnp.bfloat16)
-    assert not _custom_calls(text) and "dot_general" in text
-
 
 # --- the operands handed to the handler ------------------------------------------
 
@@ -305,7 +52,7 @@ def test_decode_bf16_is_exact():
         jnp.asarray(grid_codes), jnp.asarray(grid_scales).view(jnp.float8_e4m3fn)
     )
     assert got.dtype == jnp.bfloat16 and got.shape == (len(scale_bytes), 256, 16)
-    want = _decode64(grid_codes, grid_scales)
+    want = decode64(grid_codes, grid_scales)
     np.testing.assert_array_equal(np.asarray(got, np.float64), want)
 
 
@@ -354,7 +101,7 @@ def _emulated_handler(a, b, a_amax, b_amax, dtype):
 
     def compute(a, b, a_amax, b_amax):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        alpha = _alpha(a_amax, b_amax, batch).astype(np.float64)[:, None, None]
+        alpha = alpha64(a_amax, b_amax, batch).astype(np.float64)[:, None, None]
         b = np.broadcast_to(b, (batch, n, k))
         acc = np.einsum("bmk,bnk->bmn", a, b)
         return (acc * alpha).astype(np.float32).astype(dtype)
@@ -369,13 +116,13 @@ def _emulated_handler(a, b, a_amax, b_amax, dtype):
 @pytest.mark.parametrize("case", CASES[1:5])
 def test_matmul_bf16_hands_the_handler_its_operands(monkeypatch, case, dtype):
     monkeypatch.setattr(hopper, "_call_handler", _emulated_handler)
-    args = _operands(4, *case)
+    args = random_operands(4, *case)
     got = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*args)
-    exact, bound = _exact(*args)
+    exact, bound = exact_result(*args)
     assert got.shape == exact.shape and got.dtype == dtype
-    _assert_within(got, exact, bound, dtype)
+    assert_within(got, exact, bound, dtype)
     want = on_cpu(ops.matmul, *args, dtype=jnp.float32)  # the CPU handler
-    _assert_within(want, exact, bound, jnp.float32)
+    assert_within(want, exact, bound, jnp.float32)
 
 
 def test_matmul_bf16_skips_empty_problems(monkeypatch):
@@ -383,7 +130,7 @@ def test_matmul_bf16_skips_empty_problems(monkeypatch):
         raise AssertionError("the handler must not be called")
 
     monkeypatch.setattr(hopper, "_call_handler", fail)
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = _operands(5, *CASES[3])
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = random_operands(5, *CASES[3])
     out = hopper.matmul_bf16(
         a_codes[:, :0], a_scales[:, :0], a_amax, b_codes, b_scales, b_amax,
         dtype=jnp.float32,
@@ -403,7 +150,7 @@ def test_matmul_bf16_skips_empty_problems(monkeypatch):
 
 
 def test_matmul_bf16_errors_say_what_to_change():
-    args = _operands(6, *CASES[4])
+    args = random_operands(6, *CASES[4])
     with pytest.raises(TypeError, match="dtype must be bfloat16 or float32"):
         hopper.matmul_bf16(*args, dtype=jnp.float16)
     a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = args
@@ -533,14 +280,14 @@ def _bf16_gemm_gpu():
 @pytest.mark.parametrize("case", CASES)
 def test_handler_matches_cpu_handler(case, dtype):
     gpu = _bf16_gemm_gpu()
-    args = _operands(7, *case)
+    args = random_operands(7, *case)
     on_gpu = [jax.device_put(x, gpu) for x in args]
     got = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*on_gpu)
-    exact, bound = _exact(*args)
+    exact, bound = exact_result(*args)
     assert got.shape == exact.shape and got.dtype == dtype
-    _assert_within(got, exact, bound, dtype)
+    assert_within(got, exact, bound, dtype)
     want = on_cpu(ops.matmul, *args, dtype=jnp.float32)  # the CPU handler
-    _assert_within(want, exact, bound, jnp.float32)
+    assert_within(want, exact, bound, jnp.float32)
     # Run again: the cached algorithm gives the same bytes.
     again = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*on_gpu)
     np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
@@ -551,7 +298,7 @@ def test_primitive_lowers_to_the_handler_on_gpu(monkeypatch):
     gpu = _bf16_gemm_gpu()
     if ops_matmul.gemm_path([gpu]) != "cublaslt_bf16":
         pytest.skip("this GPU uses another GEMM (e.g. native FP4)")
-    args = [jax.device_put(x, gpu) for x in _operands(8, *CASES[4])]
+    args = [jax.device_put(x, gpu) for x in random_operands(8, *CASES[4])]
 
     def f(*xs):
         return ops.matmul(*xs, dtype=jnp.bfloat16)
@@ -565,9 +312,9 @@ def test_primitive_lowers_to_the_handler_on_gpu(monkeypatch):
         return ops.matmul(*xs, dtype=jnp.bfloat16)
 
     assert hopper.TARGET not in jax.jit(g).lower(*args).as_text()
-    exact, bound = _exact(*_operands(8, *CASES[4]))
-    _assert_within(got, exact, bound, jnp.bfloat16)
-    _assert_within(jax.jit(g)(*args), exact, bound, jnp.bfloat16)
+    exact, bound = exact_result(*random_operands(8, *CASES[4]))
+    assert_within(got, exact, bound, jnp.bfloat16)
+    assert_within(jax.jit(g)(*args), exact, bound, jnp.bfloat16)
 
 
 def _raw_call(a, b, a_amax, b_amax, out_shape, dtype=jnp.float32):
@@ -604,7 +351,8 @@ def test_handler_on_empty_problems():
         )
         assert zero_m.shape == (2, 0, 7)
         args = [
-            jax.device_put(x, gpu) for x in _operands(9, 2, 0, 7, 16, 1, False, False)
+            jax.device_put(x, gpu)
+            for x in random_operands(9, 2, 0, 7, 16, 1, False, False)
         ]
         out = jax.jit(functools.partial(hopper.matmul_bf16, dtype=jnp.bfloat16))(*args)
         assert out.shape == (2, 0, 7)
@@ -636,7 +384,7 @@ _CAPTURE_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np
-import test_cuda_gemm as t
+import gemm_cases as t
 from jax_nvfp4 import _ffi
 from jax_nvfp4.backends import hopper
 
@@ -644,21 +392,21 @@ gpu = jax.devices("gpu")[0]
 f = jax.jit(lambda *xs: hopper.matmul_bf16(*xs, dtype=jnp.float32))
 results, alive = [], []  # phase 1's operands stay alive: new addresses below
 for seed, case in enumerate(t.CASES[:3]):
-    args = t._operands(20 + seed, *case)
+    args = t.random_operands(20 + seed, *case)
     on_gpu = [jax.device_put(x, gpu) for x in args]
     alive.append(on_gpu)
     first = np.asarray(f(*on_gpu))
     again = np.asarray(f(*on_gpu))  # replayed
-    exact, bound = t._exact(*args)
-    t._assert_within(first, exact, bound, jnp.float32)
+    exact, bound = t.exact_result(*args)
+    t.assert_within(first, exact, bound, jnp.float32)
     results.append(bool(np.array_equal(first, again)))
 phase1 = _ffi.gemm_capture_counts()
 _ffi.forget_gemm_setup()
 for seed, case in enumerate(t.CASES[:3]):
-    args = t._operands(40 + seed, *case)
+    args = t.random_operands(40 + seed, *case)
     got = np.asarray(f(*[jax.device_put(x, gpu) for x in args]))
-    exact, bound = t._exact(*args)
-    t._assert_within(got, exact, bound, jnp.float32)
+    exact, bound = t.exact_result(*args)
+    t.assert_within(got, exact, bound, jnp.float32)
 print(json.dumps({{"replay_equal": results, "phase1": phase1,
                   "phase2": _ffi.gemm_capture_counts()}}))
 """
