@@ -1,74 +1,84 @@
-"""FP4 GEMM and the NVFP4 linear layer (forward + backward) against bf16.
+"""Time the NVFP4 GEMM and linear layer (forward + backward) against bf16, side by side.
 
-    python benchmarks/linear_bench.py [--out results.json] [--hlo-dir DIR] [--rounds 3]
-                                      [--pipelined] [--donate] [--ops nvfp4,...]
+    python benchmarks/linear_bench.py                  # GEMM 8192^3, two linear shapes
+    python benchmarks/linear_bench.py --clocks --out linear.json
+    python benchmarks/linear_bench.py --pipelined --linear 8192x4096x14336
 
-Rows, in one run (median of CALLS calls of a jitted function that applies
-the op to REPEAT inputs, each call waited for; time per op; --pipelined: CALLS
-calls dispatched back to back and waited for once, as a training loop runs;
---donate: each call donates the previous call's outputs, so that they stay at
-the same addresses).
-The ops of one table are timed in turns, --rounds times, and each ratio to
-bf16 is taken within a round: the bf16 baseline moved up to 10% between
-device sessions, and interleaving keeps such drift out of the ratios
-(median, min and max over rounds; every sample is kept in --out's JSON;
---ops times only the named ops next to bf16):
+Rows (each a jitted call applying the op to REPEAT inputs; time per op):
   gemm bf16            jnp.dot, bf16 [S, S] x [S, S], float32 accumulation
-  gemm nvfp4           jax_nvfp4.matmul from NVFP4 operands (Hopper: bf16
-                       decode + bf16 GEMM)
+  gemm nvfp4           jax_nvfp4.matmul from NVFP4 operands (on Hopper: the
+                       FP4 operands decoded to bf16, one bf16 GEMM)
   gemm scaled_matmul   jax.nn.scaled_dot_general with the nvfp4 config
   linear bf16          y = x @ w and its vjp with a random bf16 cotangent dy
-                       (linear_step: dy is an input, as in training)
   linear nvfp4         the same through jax_nvfp4.dot (RHT, SR, 2D weights)
-  linear fake-quant    the same recipe, pure JAX (implementation="reference")
+  linear fake-quant    the same recipe in pure JAX (implementation="reference")
   linear scaled_dot    jax.nn.scaled_dot_general nvfp4 (no FP4 backward)
 
-Memory, per linear shape: the bytes the forward pass keeps for the backward
-(the vjp closure's arrays; inputs counted for bf16, which keeps x and w) and
-the peak device memory of one jitted forward+backward step as XLA's compiled
-memory analysis reports it (arguments + outputs + temporaries; aliasing none).
+How it times: the ops of one table take turns, --rounds times, and each
+ratio to bf16 is taken within a round, so that a drift of the device
+(clocks, temperature, neighbours) cancels out of it; the median and the
+min..max over rounds are printed. Before each timing the op runs untimed for
+--settle seconds: the GPU's clock follows its power draw, and an op timed
+right after another one would run at the clock the other one left.
+--clocks samples the SM clock and power during each timed op (nvidia-smi).
+
+Memory, per linear shape: the bytes the forward keeps for the backward (the
+vjp closure's arrays; bf16 keeps x and w) and the peak device memory of one
+jitted forward + backward step by XLA's compiled memory analysis (arguments
++ outputs + temporaries - aliased).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import contextlib
+import dataclasses
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+from common import (
+    ClockLog,
+    gemm_operands,
+    header,
+    linear_operands,
+    linear_step,
+    parse_shape,
+    write_json,
+)
 
 import jax_nvfp4 as nv
 
-REPEAT = 4
-CALLS = 7
+REPEAT = 4  # inputs per jitted call
+CALLS = 7  # calls per measurement
 
 
-SETTLE_S = 0.5  # --settle: untimed calls of the same op before each timing
-PIPELINED = False  # --pipelined: dispatch CALLS calls, then wait once
-DONATE = False  # --donate: each call's outputs reuse the previous call's buffers
-# (op, start, end) of every measurement in Unix seconds (settling included):
-# lines up with a log of the GPU's clocks and power (bench_session.sh).
-TIMELINE = []
+@dataclasses.dataclass
+class Timing:
+    settle_s: float = 0.5
+    pipelined: bool = False
+    donate: bool = False
+    ops: frozenset | None = None  # op names (last word of a row) to time
+    # (row, start, end) of every measurement in Unix seconds, settling included
+    timeline: list = dataclasses.field(default_factory=list)
+
+    def selected(self, name: str) -> bool:
+        return self.ops is None or name.split()[-1] in self.ops | {"bf16"}
 
 
 def runner(fn, inputs, donate):
     """A call of `fn` on each of `inputs`, jitted into one computation: run()
     returns the list of outputs. With `donate` every call donates the
     previous call's outputs, so its outputs land in the same buffers (stable
-    addresses, as a training step's donated state has; XLA need not update
-    its CUDA graphs)."""
+    addresses, as a training step's donated state has)."""
     if not donate:
         jitted = jax.jit(lambda xs: [fn(*x) for x in xs])
         return lambda: jitted(inputs)
-    # keep_unused: an unused donated argument is otherwise pruned, and
-    # nothing is aliased (checked: addresses stable with it, not without).
+    # keep_unused: an unused donated argument is otherwise pruned, and then
+    # nothing is aliased.
     jitted = jax.jit(
-        lambda xs, previous: [fn(*x) for x in xs],
-        donate_argnums=1,
-        keep_unused=True,
+        lambda xs, previous: [fn(*x) for x in xs], donate_argnums=1, keep_unused=True
     )
     outs = [jitted(inputs, None)]
 
@@ -79,30 +89,23 @@ def runner(fn, inputs, donate):
     return run
 
 
-def timer(fn, inputs):
-    """A compiled, warmed-up measurement: each call returns the median over
-    CALLS calls of the time per op (each call waited for), or with PIPELINED
-    the time per op of CALLS calls dispatched back to back and waited for
-    once, as a training loop runs (the host's dispatch overlaps the device's
-    work). DONATE: see runner."""
-    run = runner(fn, inputs, DONATE)
+def timer(fn, inputs, timing: Timing):
+    """A compiled, warmed-up measurement: measure() returns (seconds per op,
+    its samples). Waited: the median over CALLS calls, each waited for.
+    Pipelined: CALLS calls dispatched back to back and waited for once, as a
+    training loop runs; the samples are [time per op, host dispatch per op]."""
+    run = runner(fn, inputs, timing.donate)
     jax.block_until_ready(run())
-    if PIPELINED:  # one untimed batch: the first measured one was cold
+    if timing.pipelined:  # one untimed batch: the first measured one is cold
         for _ in range(CALLS):
             last = run()
         jax.block_until_ready(last)
 
     def measure():
-        """(seconds per op, the samples it is the median of; pipelined: [the
-        time per op, the part of it the host spent dispatching]). First the
-        op runs untimed for SETTLE_S seconds: the H200's clocks follow its
-        power draw within milliseconds, and an op timed right after another
-        would run at the clocks the other one left (a bf16 GEMM draws more
-        power than one on decoded FP4 values)."""
-        end = time.perf_counter() + SETTLE_S
+        end = time.perf_counter() + timing.settle_s
         while time.perf_counter() < end:
             jax.block_until_ready(run())
-        if PIPELINED:
+        if timing.pipelined:
             start = time.perf_counter()
             for _ in range(CALLS):
                 last = run()
@@ -121,40 +124,27 @@ def timer(fn, inputs):
     return measure
 
 
-def interleaved(timers, rounds):
-    """Times every op once per round, the ops taking turns, so that a drift
-    of the device (clocks, temperature, neighbours) shows in all of them
-    alike. Returns {name: [(seconds per round, its samples)]}; an op whose
-    timer could not be built (None) gets NaNs. With OPS, only those ops (and
-    the bf16 baseline) are timed."""
-    times = {name: [] for name in timers if _selected(name)}
+def interleaved(timers, rounds, timing: Timing):
+    """Times every op once per round, the ops taking turns. Returns {name:
+    [(seconds, samples) per round]}; an op without a timer (None) gets NaNs."""
+    times = {name: [] for name in timers}
     for _ in range(rounds):
-        for name in times:
-            measure = timers[name]
+        for name, measure in timers.items():
             start = time.time()
             times[name].append(measure() if measure else (float("nan"), []))
-            TIMELINE.append((name, start, time.time()))
+            timing.timeline.append((name, start, time.time()))
     return times
 
 
-OPS = None  # --ops: the op names (last word: bf16, nvfp4, ...) to time
-
-
-def _selected(name):
-    return OPS is None or name.split()[-1] in OPS | {"bf16"}
-
-
-def _ratio_summary(times, base):
-    """Median time per op and the per-round ratio to `base` (min, median,
-    max): the ratio of the same round is what drift cancels out of."""
-    out = {}
+def ratio_summary(times, base):
+    """Median time per op and the per-round ratio to `base` (min, median, max)."""
     medians = {name: [t for t, _ in rounds] for name, rounds in times.items()}
+    out = {}
     for name, ts in medians.items():
         ratios = [t / b for t, b in zip(ts, medians[base], strict=True)]
         out[name] = {
             "ms": statistics.median(ts) * 1e3,
             "ms_per_round": [t * 1e3 for t in ts],
-            # every sample of every round (per op; diagnoses bimodal timings)
             "samples_ms": [[s * 1e3 for s in samples] for _, samples in times[name]],
             "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios),
@@ -163,7 +153,7 @@ def _ratio_summary(times, base):
     return out
 
 
-def _scaled_dot(x, w):
+def scaled_dot(x, w):
     configs = [jax.nn.get_scaled_dot_general_config("nvfp4")] * 3
     return jax.nn.scaled_dot_general(
         x,
@@ -174,7 +164,8 @@ def _scaled_dot(x, w):
     )
 
 
-def _try(fn, fallback=float("nan")):
+def optional(fn, fallback=None):
+    """fn(), or `fallback` where an optional baseline is not available here."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 -- an optional baseline
@@ -182,42 +173,29 @@ def _try(fn, fallback=float("nan")):
         return fallback
 
 
-def gemm_operands(s, repeat=REPEAT):
-    """`repeat` pairs of bf16 [s, s] operands and their NVFP4 forms (a along
-    K, b 2D along its K axis 0)."""
-    keys = jax.random.split(jax.random.key(0), 2 * repeat)
-    pairs = [
-        (
-            jax.random.normal(keys[2 * i], (s, s), jnp.bfloat16),
-            jax.random.normal(keys[2 * i + 1], (s, s), jnp.bfloat16),
-        )
-        for i in range(repeat)
-    ]
-    quantized = [(nv.quantize(a), nv.quantize(b, 0, block="16x16")) for a, b in pairs]
-    return pairs, quantized
-
-
-def bench_gemm(s, rounds, hlo_dir=None):
-    pairs, quantized = gemm_operands(s)
+def bench_gemm(s, rounds, timing, hlo_dir=None):
+    pairs, quantized = gemm_operands(s, REPEAT)
     if hlo_dir:
         text = jax.jit(nv.matmul).lower(*quantized[0]).compile().as_text()
         with open(f"{hlo_dir}/gemm_nvfp4_{s}.hlo.txt", "w") as f:
             f.write(text)
     builders = {
-        "gemm bf16": lambda: timer(jnp.dot, pairs),
-        "gemm nvfp4": lambda: timer(nv.matmul, quantized),
-        "gemm scaled_matmul": lambda: _try(lambda: timer(_scaled_dot, pairs), None),
+        "gemm bf16": lambda: timer(jnp.dot, pairs, timing),
+        "gemm nvfp4": lambda: timer(nv.matmul, quantized, timing),
+        "gemm scaled_matmul": lambda: optional(
+            lambda: timer(scaled_dot, pairs, timing)
+        ),
     }
-    timers = {name: build() for name, build in builders.items() if _selected(name)}
-    return _ratio_summary(interleaved(timers, rounds), "gemm bf16")
+    timers = {n: build() for n, build in builders.items() if timing.selected(n)}
+    return ratio_summary(interleaved(timers, rounds, timing), "gemm bf16")
 
 
-def _residual_bytes(dot, x, w):
+def residual_bytes(dot, x, w):
     _, vjp_fn = jax.vjp(dot, x, w)
     return sum(leaf.nbytes for leaf in jax.tree.leaves(vjp_fn))
 
 
-def _step_peak_bytes(step, *args):
+def step_peak_bytes(step, *args):
     m = jax.jit(step).lower(*args).compile().memory_analysis()
     if m is None:
         return float("nan")
@@ -229,82 +207,85 @@ def _step_peak_bytes(step, *args):
     )
 
 
-def linear_step(dot):
-    """y = dot(x, w) and its vjp with the cotangent dy: (y, dx, dw). dy is
-    an input, as in training, where it comes from the next layer (a loss
-    such as sum(y) would make dy a constant that bf16's GEMMs fuse and a
-    quantizing backward has to materialize)."""
-
-    def f(x, w, dy):
-        y, vjp = jax.vjp(dot, x, w)
-        return (y, *vjp(dy))
-
-    return f
-
-
-def bench_linear(tokens, k, n, rounds, hlo_dir=None):
-    keys = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
-    w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 0.02
-    key = keys[2]
-    dy = jax.random.normal(jax.random.key(2), (tokens, n), jnp.bfloat16)
+def bench_linear(tokens, k, n, rounds, timing, hlo_dir=None):
+    (x, w, dy), key = linear_operands(tokens, k, n)
     inputs = [(x, w, dy)] * REPEAT
-    step = linear_step
-
     fake = nv.Recipe(implementation="reference")
     dots = {
         "bf16": jnp.dot,
         "nvfp4": lambda x, w: nv.dot(x, w, key=key),
         "fake-quant": lambda x, w: nv.dot(x, w, key=key, recipe=fake),
-        "scaled_dot": _scaled_dot,
+        "scaled_dot": scaled_dot,
     }
-    dots = {name: d for name, d in dots.items() if _selected(name)}
+    dots = {name: d for name, d in dots.items() if timing.selected(name)}
     timers = {
-        f"linear {name}": _try(lambda d=d: timer(step(d), inputs), None)
+        f"linear {name}": optional(lambda d=d: timer(linear_step(d), inputs, timing))
         for name, d in dots.items()
     }
-    times = _ratio_summary(interleaved(timers, rounds), "linear bf16")
+    times = ratio_summary(interleaved(timers, rounds, timing), "linear bf16")
+    nan = float("nan")
     memory = {
         name: {
-            "residual_bytes": _try(lambda d=d: _residual_bytes(d, x, w)),
-            "step_peak_bytes": _try(lambda d=d: _step_peak_bytes(step(d), x, w, dy)),
+            "residual_bytes": optional(lambda d=d: residual_bytes(d, x, w), nan),
+            "step_peak_bytes": optional(
+                lambda d=d: step_peak_bytes(linear_step(d), x, w, dy), nan
+            ),
         }
         for name, d in dots.items()
     }
     if hlo_dir:
         for name in ("bf16", "nvfp4"):
-            text = jax.jit(step(dots[name])).lower(x, w, dy).compile().as_text()
-            with open(f"{hlo_dir}/linear_{name}_{tokens}x{k}x{n}.hlo.txt", "w") as f:
-                f.write(text)
+            if name in dots:
+                text = jax.jit(linear_step(dots[name])).lower(x, w, dy)
+                with open(
+                    f"{hlo_dir}/linear_{name}_{tokens}x{k}x{n}.hlo.txt", "w"
+                ) as f:
+                    f.write(text.compile().as_text())
     return times, memory
 
 
-def _print_times(summary):
-    print(f"{'op':>22} {'ms':>8} {'vs bf16':>8} {'(min..max over rounds)':>24}")
+def print_times(summary, clocks=None):
+    extra = f" {'SM MHz':>7} {'W':>5}" if clocks is not None else ""
+    print(f"{'op':>22} {'ms':>8} {'vs bf16':>8} {'(min..max over rounds)':>24}{extra}")
     for name, r in summary.items():
-        print(
+        line = (
             f"{name:>22} {r['ms']:8.3f} {r['ratio_median']:8.2f}"
             f"   ({r['ratio_min']:.2f}..{r['ratio_max']:.2f})"
         )
+        if clocks is not None:
+            c = clocks.get(name)
+            line += (
+                f"{'':>9}{c['sm_clock_mhz']:7.0f} {c['power_w']:5.0f}"
+                if c
+                else f"{'':>9}{'-':>7} {'-':>5}"
+            )
+        print(line)
 
 
-def main():
-    global PIPELINED, OPS, DONATE, SETTLE_S
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--hlo-dir", default=None, help="write compiled HLO here")
-    parser.add_argument("--gemm", type=int, default=8192)
+def print_memory(memory):
+    print(f"{'':>22} {'residual MB':>12} {'vs bf16':>8} {'step peak MB':>13}")
+    base = memory.get("bf16", {}).get("residual_bytes", float("nan"))
+    for name, m in memory.items():
+        r, p = m["residual_bytes"], m["step_peak_bytes"]
+        print(f"{name:>22} {r / 2**20:12.1f} {r / base:8.3f} {p / 2**20:13.1f}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]),
+    )
+    parser.add_argument("--out", help="write every sample and the summary as JSON")
+    parser.add_argument("--hlo-dir", help="write the compiled HLO of the ops here")
+    parser.add_argument("--gemm", type=int, default=8192, help="GEMM size S (S^3)")
     parser.add_argument(
         "--linear",
         default="8192x4096x14336,16384x8192x28672",
-        help="comma-separated TOKENSxKxN shapes",
+        help="comma-separated TOKENSxKxN linear shapes",
     )
     parser.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="each op is timed once per round, the ops taking turns; ratios "
-        "are taken within a round (median, min and max are reported)",
+        "--rounds", type=int, default=3, help="rounds in which the ops take turns"
     )
     parser.add_argument(
         "--ops",
@@ -314,62 +295,68 @@ def main():
     parser.add_argument(
         "--settle",
         type=float,
-        default=SETTLE_S,
-        help="seconds each op runs untimed before it is timed (clocks settle "
-        "at the op's own power draw)",
-    )
-    parser.add_argument(
-        "--donate",
-        action="store_true",
-        help="each call donates the previous call's outputs (stable output addresses)",
+        default=0.5,
+        help="seconds each op runs untimed before it is timed",
     )
     parser.add_argument(
         "--pipelined",
         action="store_true",
-        help="time calls dispatched back to back, waited for once (as a "
-        "training loop runs), instead of waiting for each call",
+        help="time calls dispatched back to back and waited for once (as a "
+        "training loop runs) instead of waiting for each call",
     )
-    args = parser.parse_args()
-    PIPELINED, DONATE, SETTLE_S = args.pipelined, args.donate, args.settle
-    OPS = set(args.ops.split(",")) if args.ops else None
-    print(
-        f"device: {jax.devices()[0].device_kind} | jax {jax.__version__} | "
-        f"{'pipelined' if PIPELINED else 'each call waited for'}"
+    parser.add_argument(
+        "--donate",
+        action="store_true",
+        help="each call donates the previous call's outputs (stable addresses)",
     )
-    results = {"gemm": bench_gemm(args.gemm, args.rounds, args.hlo_dir), "linear": {}}
-    _print_times(results["gemm"])
-    for shape in args.linear.split(","):
-        times, memory = bench_linear(
-            *map(int, shape.split("x")), args.rounds, args.hlo_dir
-        )
-        results["linear"][shape] = {"times": times, "memory_bytes": memory}
-        print(f"linear {shape} (forward + backward)")
-        _print_times(times)
-        print(f"{'':>22} {'residual MB':>12} {'vs bf16':>8} {'step peak MB':>13}")
-        for name, m in memory.items():
-            r, p = m["residual_bytes"], m["step_peak_bytes"]
-            ratio = r / memory["bf16"]["residual_bytes"]
-            print(f"{name:>22} {r / 2**20:12.1f} {ratio:8.3f} {p / 2**20:13.1f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "date": datetime.date.today().isoformat(),
-                    "device": jax.devices()[0].device_kind,
-                    "jax": jax.__version__,
-                    "gemm_size": args.gemm,
-                    "rounds": args.rounds,
-                    "calls_per_measurement": CALLS,
-                    "pipelined": PIPELINED,
-                    "donate": DONATE,
-                    "settle_s": SETTLE_S,
-                    "timeline": TIMELINE,
-                    "ops": sorted(OPS) if OPS else "all",
-                    "results": results,
-                },
-                f,
-                indent=1,
+    parser.add_argument(
+        "--clocks",
+        action="store_true",
+        help="sample the GPU's SM clock and power (nvidia-smi) during each op",
+    )
+    args = parser.parse_args(argv)
+    timing = Timing(
+        settle_s=args.settle,
+        pipelined=args.pipelined,
+        donate=args.donate,
+        ops=frozenset(args.ops.split(",")) if args.ops else None,
+    )
+    mode = "pipelined" if timing.pipelined else "each call waited for"
+    print(f"{header()} | {mode}")
+    log = ClockLog() if args.clocks and ClockLog.available() else None
+    if args.clocks and log is None:
+        print("--clocks: no nvidia-smi here; clocks not logged")
+    results = {"linear": {}}
+    with log if log else contextlib.nullcontext():
+        results["gemm"] = bench_gemm(args.gemm, args.rounds, timing, args.hlo_dir)
+        tables = [("gemm", results["gemm"], None)]
+        for shape in args.linear.split(","):
+            times, memory = bench_linear(
+                *parse_shape(shape), args.rounds, timing, args.hlo_dir
             )
+            results["linear"][shape] = {"times": times, "memory_bytes": memory}
+            tables.append((shape, times, memory))
+    clocks = log.summarize(timing.timeline, timing.settle_s) if log else None
+    for shape, times, memory in tables:
+        if memory is not None:
+            print(f"linear {shape} (forward + backward)")
+        print_times(times, clocks)
+        if memory is not None:
+            print_memory(memory)
+    if args.out:
+        write_json(
+            args.out,
+            {
+                "gemm_size": args.gemm,
+                "rounds": args.rounds,
+                "calls_per_measurement": CALLS,
+                "inputs_per_call": REPEAT,
+                **{k: v for k, v in dataclasses.asdict(timing).items() if k != "ops"},
+                "ops": sorted(timing.ops) if timing.ops else "all",
+                "clocks": clocks,
+                "results": results,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Sharded NVFP4 on all local GPUs against one GPU and the CPU (issue 6).
+"""Check sharded NVFP4 on all local GPUs against one GPU and the CPU; time weak scaling.
 
-    python benchmarks/multi_gpu_check.py
+    python benchmarks/multi_gpu_check.py              # on a machine with 2+ GPUs
+    python benchmarks/multi_gpu_check.py --no-scaling # the checks only
 
 1. The fused quantize (rows nearest; columns RHT + stochastic rounding) of a
    tensor sharded over the GPUs by rows and by columns: codes, scales and
@@ -11,13 +12,15 @@
 3. Weak scaling of a data-parallel linear step (8192 tokens per GPU,
    4096 -> 14336, forward + backward + gradient all-reduce), NVFP4 and bf16:
    efficiency = time on one GPU / time on all.
+Exits 1 if a check fails.
 """
 
-import time
+import argparse
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import median_seconds, parse_shape
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,11 +43,26 @@ def tensor_bytes(t):
     ]
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]),
+    )
+    parser.add_argument(
+        "--scaling-shape",
+        default="8192x4096x14336",
+        help="TOKENS_PER_GPUxKxN of the weak-scaling step",
+    )
+    parser.add_argument(
+        "--no-scaling", action="store_true", help="skip the weak-scaling timing"
+    )
+    opts = parser.parse_args(argv)
     gpus = jax.devices()
     n = len(gpus)
-    # Auto axes: jax_nvfp4's bf16 fallback GEMMs do not pass out_sharding,
-    # which Explicit axes (make_mesh's default in newer JAX) require.
+    if n < 2:
+        print(f"only {n} device(s): the sharded results compare with themselves")
+    # Auto axes: XLA propagates the shardings, as under a plain jit.
     mesh = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     key = jax.random.key(5)
     print(f"{n} x {gpus[0].device_kind}; jax {jax.__version__}")
@@ -97,24 +115,14 @@ def main():
         )
         ok &= rel <= 2.0**-16
         print(f"dot {name}: max |diff| / max |one GPU| = {rel:.2e} (bound 2^-16)")
-    scaling(mesh, gpus, key)
+    if not opts.no_scaling:
+        scaling(mesh, gpus, key, *parse_shape(opts.scaling_shape))
     print("ALL OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
 
-def _median_ms(fn, *args, reps=20):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[reps // 2]
-
-
-def scaling(mesh, gpus, key):
+def scaling(mesh, gpus, key, per_gpu, k, nout):
     n = len(gpus)
-    per_gpu, k, nout = 8192, 4096, 14336
     print(f"weak scaling, {per_gpu} tokens per GPU, {k} -> {nout}:")
     for name, recipe in (("bf16", nv.BF16), ("nvfp4", nv.NVFP4)):
 
@@ -125,8 +133,8 @@ def scaling(mesh, gpus, key):
         step = jax.jit(jax.grad(loss, argnums=(0, 1)))
         w = jax.random.normal(jax.random.key(1), (k, nout), jnp.bfloat16)
         x = jax.random.normal(jax.random.key(2), (per_gpu * n, k), jnp.bfloat16)
-        t1 = _median_ms(step, jax.device_put(x[:per_gpu], gpus[0]), w)
-        tn = _median_ms(
+        t1 = 1e3 * median_seconds(step, jax.device_put(x[:per_gpu], gpus[0]), w)
+        tn = 1e3 * median_seconds(
             step,
             jax.device_put(x, NamedSharding(mesh, P("d", None))),
             jax.device_put(w, NamedSharding(mesh, P())),

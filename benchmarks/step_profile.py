@@ -1,15 +1,17 @@
-"""Where one linear forward+backward step spends its time, kernel by kernel
-(there is no nsys on the device; ncu with a profiled range crashed there).
+"""Trace one linear forward + backward step (or the GEMM alone) and list its kernels.
 
-    python benchmarks/step_profile.py [--linear 8192x4096x14336] [--gemm 8192]
-                                      [--out f.json]
+    python benchmarks/step_profile.py                          # 8192x4096x14336
+    python benchmarks/step_profile.py --repeat 4 --calls 3     # sustained, as timed
+    python benchmarks/step_profile.py --gemm 8192 --out gemm.json
 
-Each step (linear_bench.linear_step: y = x @ w and its vjp with a random
-cotangent; bf16 jnp.dot, jax_nvfp4.dot with the full recipe) is compiled
-and run twice, then traced once with jax.profiler (CUPTI); the trace's
-device planes are read back with jax.profiler.ProfileData. Printed per
-step and per device line (the streams, and XLA's op lines): the total time
-of the line's events and the events grouped by name, largest first.
+Each step (common.linear_step: y = x @ w and its vjp with a random cotangent;
+bf16 jnp.dot against jax_nvfp4.dot with the full recipe) is compiled, run
+untraced, then traced with jax.profiler (CUPTI: no Nsight Systems needed);
+the trace's device planes are read back with jax.profiler.ProfileData.
+Printed per step and per device line (the streams, and XLA's op lines): the
+busy time of the line, its span from first start to last end, the idle gaps
+between kernels, and the events grouped by name, largest first. This is where
+a step's time goes kernel by kernel (GEMMs, quantize, decode, amax passes).
 """
 
 from __future__ import annotations
@@ -17,20 +19,24 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import json
 import os
 import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
-from linear_bench import gemm_operands, linear_step
+from common import (
+    gemm_operands,
+    header,
+    linear_operands,
+    linear_step,
+    parse_shape,
+    write_json,
+)
 
 import jax_nvfp4 as nv
 
 HOST = False  # --host: the host planes too (where each launch's host time goes)
-
-
 CALLS = 1  # --calls C: trace C calls dispatched back to back (no wait between)
 
 
@@ -105,29 +111,59 @@ def trace_gemm(s, out=None, repeat=1):
     on their own operands in one jitted call, traced after 20 back-to-back
     calls (sustained load: clocks as the benchmark sees them)."""
     pairs, quantized = gemm_operands(s, repeat)
-    result = {"gemm": s, "repeat": repeat, "device": str(jax.devices()[0])}
+    result = {"gemm": s, "repeat": repeat}
+    warmup = 20 if repeat > 1 else 2
     for name, op, inputs in (
         ("bf16", jnp.dot, pairs),
         ("nvfp4", nv.matmul, quantized),
     ):
         fn = jax.jit(lambda xs, op=op: [op(*x) for x in xs])
         print(f"{name} GEMM {s}^3 x {repeat}:")
-        warmup = 20 if repeat > 1 else 2
         result[name] = summarize(trace_events(fn, inputs, warmup=warmup))
     if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(out, result)
     return 0
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--linear", default="8192x4096x14336")
+def trace_linear(shape, out=None, repeat=1):
+    """The linear step, bf16 and jax_nvfp4; repeat > 1: `repeat` steps in one
+    jitted call, traced after 20 back-to-back calls."""
+    tokens, k, n = parse_shape(shape)
+    operands, key = linear_operands(tokens, k, n)
+    inputs = [operands] * repeat
+
+    def step(dot):
+        f = linear_step(dot)
+        return jax.jit(lambda xs: [f(*a) for a in xs])
+
+    steps = {
+        "bf16": step(jnp.dot),
+        "nvfp4": step(lambda x, w: nv.dot(x, w, key=key)),
+    }
+    result = {"shape": shape, "repeat": repeat, "calls": CALLS}
+    warmup = 20 if repeat > 1 else 2
+    for name, fn in steps.items():
+        print(f"{name} step, {shape} x {repeat}:")
+        result[name] = summarize(trace_events(fn, inputs, warmup=warmup))
+    if out:
+        write_json(out, result)
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]),
+    )
+    parser.add_argument(
+        "--linear", default="8192x4096x14336", help="TOKENSxKxN of the linear step"
+    )
     parser.add_argument(
         "--gemm",
         type=int,
         help="trace the GEMM alone at S^3 (bf16 jnp.dot vs jax_nvfp4.matmul "
-        "from NVFP4 operands, as linear_bench's) instead of the linear step",
+        "from NVFP4 operands) instead of the linear step",
     )
     parser.add_argument(
         "--repeat", type=int, default=1, help="GEMMs (or linear steps) per call"
@@ -142,16 +178,16 @@ def main():
     parser.add_argument(
         "--graphs-in-trace",
         action="store_true",
-        help="keep XLA's CUDA graphs while tracing (XLA runs the thunks one by "
-        "one under a profiler unless told otherwise)",
+        help="keep XLA's CUDA graphs while tracing (under a profiler XLA runs "
+        "the thunks one by one unless told otherwise)",
     )
     parser.add_argument(
         "--host",
         action="store_true",
         help="also summarize the host's trace lines (time spent launching)",
     )
-    parser.add_argument("--out")
-    args = parser.parse_args()
+    parser.add_argument("--out", help="write the summaries as JSON")
+    args = parser.parse_args(argv)
     if args.graphs_in_trace:  # before the backend starts (XLA reads it then)
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
@@ -159,41 +195,10 @@ def main():
         ).strip()
     global HOST, CALLS
     HOST, CALLS = args.host, args.calls
+    print(header())
     if args.gemm:
         return trace_gemm(args.gemm, args.out, args.repeat)
-    tokens, k, n = map(int, args.linear.split("x"))
-    keys = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
-    w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 0.02
-
-    dy = jax.random.normal(jax.random.key(2), (tokens, n), jnp.bfloat16)
-
-    # repeat > 1: as linear_bench times it, `repeat` steps in one jitted
-    # call, traced after 20 back-to-back calls.
-    inputs = [(x, w, dy)] * args.repeat
-
-    def step(dot):
-        f = linear_step(dot)
-        return jax.jit(lambda xs: [f(*a) for a in xs])
-
-    steps = {
-        "bf16": step(jnp.dot),
-        "nvfp4": step(lambda x, w: nv.dot(x, w, key=keys[2])),
-    }
-    result = {
-        "shape": args.linear,
-        "repeat": args.repeat,
-        "calls": args.calls,
-        "device": str(jax.devices()[0]),
-    }
-    warmup = 20 if args.repeat > 1 else 2
-    for name, fn in steps.items():
-        print(f"{name} step, {args.linear} x {args.repeat}:")
-        result[name] = summarize(trace_events(fn, inputs, warmup=warmup))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return trace_linear(args.linear, args.out, args.repeat)
 
 
 if __name__ == "__main__":
