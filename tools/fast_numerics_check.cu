@@ -1,6 +1,6 @@
 // Exhaustive check, on a GPU, that the fast device arithmetic of
-// ffi/cuda_fast_numerics.cuh equals the header arithmetic of
-// ffi/nvfp4_numerics.h (the CPU handlers' and the pure-JAX twin's):
+// ffi/numerics/fast.cuh equals the header arithmetic of
+// ffi/numerics/nvfp4.h (the CPU handlers' and the pure-JAX twin's):
 //   1. E4M3FromFloat == E4M3RoundSatfinite / E4M3Encode for every
 //      non-negative float up to +inf (clamped to FLT_MAX as BlockScale does);
 //   2. EncodeBlock16Fast == EncodeBlock16, round to nearest, on every float32
@@ -16,11 +16,11 @@
 // Built with -ftz=true, as the handlers are: both sides flush subnormals.
 //
 //   nvcc -std=c++17 -O3 --fmad=false -ftz=true -arch=sm_90a -I ffi \
-//        benchmarks/fast_numerics_check.cu -o /tmp/fast_numerics_check
+//        tools/fast_numerics_check.cu -o /tmp/fast_numerics_check
 //   /tmp/fast_numerics_check      # prints mismatch counts; exit 1 if any
 #include <cstdio>
 
-#include "cuda_fast_numerics.cuh"
+#include "numerics/fast.cuh"
 
 using namespace jax_nvfp4;
 
