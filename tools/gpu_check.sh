@@ -29,7 +29,7 @@
 #                 build.log (kept only if the build fails), pytest.log,
 #                 sanitizer.log, numerics.log, bench.log, quantize_bench.json,
 #                 linear_bench.json
-#   --jobs N      pytest processes (default 4; 1 runs them in one process)
+#   --jobs N      pytest processes (default 8; 1 runs them in one process)
 #   --no-build    test the package already installed
 # On a lent device machine (10 minutes a command) split the steps over calls
 # to the same warm machine: "--tests", then "--no-build --sanitizer --numerics".
@@ -43,7 +43,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-steps=() out="${OUT:-/tmp/gpu_check}" jobs=4 build=1 pytest_args=()
+steps=() out="${OUT:-/tmp/gpu_check}" jobs=8 build=1 pytest_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests | --sanitizer | --numerics | --bench) steps+=("${1#--}") ;;
