@@ -1,5 +1,8 @@
-// The Python extension: hands the FFI handlers to jax_nvfp4 as capsules,
-// which jax_nvfp4/_ffi_registry.py registers with jax.ffi.register_ffi_target.
+// The Python extension jax_nvfp4._ffi: hands the FFI handlers of targets.inc
+// to jax_nvfp4 as capsules, which jax_nvfp4/backends/library.py registers
+// with jax.ffi.register_ffi_target, and exposes the host-side logic that
+// Python tests check (plans of the GEMM handlers, the scale layout) and the
+// rule of the fused quantize kernel.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
@@ -7,35 +10,21 @@
 #include <string>
 #include <vector>
 
-#include "cublaslt_plan.h"
-#include "fp4_gemm_plan.h"
-#include "scale_layout.h"
+#include "cuda/fused_quantize_rule.h"
+#include "gemm/bf16_gemm_plan.h"
+#include "gemm/fp4_gemm_plan.h"
+#include "numerics/scale_layout.h"
+#include "targets.h"
 #include "xla/ffi/api/c_api.h"
 
 extern "C" {
-XLA_FFI_Error* JaxNvfp4QuantizeRowsCpu(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4QuantizeColsCpu(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4QuantizeRowsColsCpu(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4AmaxCpu(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4DequantizeCpu(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4MatmulCpu(XLA_FFI_CallFrame*);
-#ifdef JAX_NVFP4_WITH_CUDA
-XLA_FFI_Error* JaxNvfp4QuantizeRowsCuda(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4QuantizeColsCuda(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4QuantizeRowsColsCuda(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4QuantizeRowsColsDecodedCuda(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4AmaxCuda(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4DequantizeCuda(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4DecodeBf16Cuda(XLA_FFI_CallFrame*);
-#endif
+#define JAX_NVFP4_TARGET(name, symbol, platform, gate) \
+  JAX_NVFP4_IF_BUILT(gate, XLA_FFI_Error* symbol(XLA_FFI_CallFrame*);)
+#include "targets.inc"
+#undef JAX_NVFP4_TARGET
 #ifdef JAX_NVFP4_WITH_CUBLASLT
-XLA_FFI_Error* JaxNvfp4MatmulBf16Cuda(XLA_FFI_CallFrame*);
-XLA_FFI_Error* JaxNvfp4MatmulBf16GraphCuda(XLA_FFI_CallFrame*);
 void JaxNvfp4GemmCaptureCounts(int64_t* calls, int64_t* setups);
 void JaxNvfp4ForgetGemmSetup();
-#endif
-#ifdef JAX_NVFP4_WITH_BLACKWELL_GEMM
-XLA_FFI_Error* JaxNvfp4MatmulFp4Sm100Cuda(XLA_FFI_CallFrame*);
 #endif
 }
 
@@ -52,16 +41,34 @@ nb::capsule Capsule(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*)) {
 NB_MODULE(_ffi, m) {
   m.def("cpu_registrations", []() {
     nb::dict d;
-    d["jax_nvfp4_quantize_rows"] = Capsule(JaxNvfp4QuantizeRowsCpu);
-    d["jax_nvfp4_quantize_cols"] = Capsule(JaxNvfp4QuantizeColsCpu);
-    d["jax_nvfp4_quantize_rows_cols"] = Capsule(JaxNvfp4QuantizeRowsColsCpu);
-    d["jax_nvfp4_amax"] = Capsule(JaxNvfp4AmaxCpu);
-    d["jax_nvfp4_dequantize"] = Capsule(JaxNvfp4DequantizeCpu);
-    d["jax_nvfp4_matmul"] = Capsule(JaxNvfp4MatmulCpu);
+#define JAX_NVFP4_TARGET(name, symbol, platform, gate) \
+  JAX_NVFP4_IF_BUILT(gate, JAX_NVFP4_IF_CPU(platform, d[name] = Capsule(symbol);))
+#include "targets.inc"
+#undef JAX_NVFP4_TARGET
     return d;
   });
+  m.def("cuda_registrations", []() {
+    nb::dict d;
+#define JAX_NVFP4_TARGET(name, symbol, platform, gate) \
+  JAX_NVFP4_IF_BUILT(gate, JAX_NVFP4_IF_CUDA(platform, d[name] = Capsule(symbol);))
+#include "targets.inc"
+#undef JAX_NVFP4_TARGET
+    return d;
+  });
+  // Whether the fused CUDA quantize kernel writes decoded (bfloat16) operands
+  // for these options (cuda/fused_quantize_rule.h); the handler also needs m
+  // and k multiples of 16 and 16-byte aligned buffers at run time.
+  m.def(
+      "fused_quantize_writes_values",
+      [](bool bf16_input, int64_t row_block_rows, bool row_rht,
+         int64_t col_block_rows, bool col_rht) {
+        return jax_nvfp4::FusedQuantizeWritesValues(
+            bf16_input, row_block_rows, row_rht, col_block_rows, col_rht);
+      },
+      nb::arg("bf16_input"), nb::arg("row_block_rows"), nb::arg("row_rht"),
+      nb::arg("col_block_rows"), nb::arg("col_rht"));
   // The Blackwell scale layout's offsets, for tests of the host-side layout
-  // code against jax_nvfp4.blackwell.swizzle_scales.
+  // code against jax_nvfp4.backends.blackwell.swizzle_scales.
   m.def("swizzled_scale_offsets", [](int64_t rows, int64_t cols) {
     std::vector<int64_t> offsets;
     offsets.reserve(rows * cols);
@@ -73,7 +80,7 @@ NB_MODULE(_ffi, m) {
     return offsets;
   });
   // The argument checks of the Blackwell FP4 GEMM handler, for CPU tests of
-  // jax_nvfp4.blackwell.native_operands: the handler's per-item strides, or
+  // jax_nvfp4.backends.blackwell.native_operands: the handler's per-item strides, or
   // ValueError with the handler's message.
   m.def(
       "plan_fp4_gemm",
@@ -138,7 +145,7 @@ NB_MODULE(_ffi, m) {
       nb::arg("a"), nb::arg("b"), nb::arg("a_amax"), nb::arg("b_amax"),
       nb::arg("out"), nb::arg("workspace"));
   // How many cuBLASLt GEMM handler calls ran inside a CUDA graph capture,
-  // and how many of them did the one-time setup there (cublaslt.h);
+  // and how many of them did the one-time setup there (gemm/cublaslt.h);
   // None without the cuBLASLt handlers.
   m.def("gemm_capture_counts", []() -> nb::object {
 #ifdef JAX_NVFP4_WITH_CUBLASLT
@@ -162,26 +169,5 @@ NB_MODULE(_ffi, m) {
 #else
     return false;
 #endif
-  });
-  m.def("cuda_registrations", []() {
-    nb::dict d;
-#ifdef JAX_NVFP4_WITH_CUDA
-    d["jax_nvfp4_quantize_rows"] = Capsule(JaxNvfp4QuantizeRowsCuda);
-    d["jax_nvfp4_quantize_cols"] = Capsule(JaxNvfp4QuantizeColsCuda);
-    d["jax_nvfp4_quantize_rows_cols"] = Capsule(JaxNvfp4QuantizeRowsColsCuda);
-    d["jax_nvfp4_quantize_rows_cols_decoded"] =
-        Capsule(JaxNvfp4QuantizeRowsColsDecodedCuda);
-    d["jax_nvfp4_amax"] = Capsule(JaxNvfp4AmaxCuda);
-    d["jax_nvfp4_dequantize"] = Capsule(JaxNvfp4DequantizeCuda);
-    d["jax_nvfp4_decode_bf16"] = Capsule(JaxNvfp4DecodeBf16Cuda);
-#endif
-#ifdef JAX_NVFP4_WITH_CUBLASLT
-    d["jax_nvfp4_matmul_bf16"] = Capsule(JaxNvfp4MatmulBf16Cuda);
-    d["jax_nvfp4_matmul_bf16_graph"] = Capsule(JaxNvfp4MatmulBf16GraphCuda);
-#endif
-#ifdef JAX_NVFP4_WITH_BLACKWELL_GEMM
-    d["jax_nvfp4_matmul_fp4_sm100"] = Capsule(JaxNvfp4MatmulFp4Sm100Cuda);
-#endif
-    return d;
   });
 }

@@ -1,12 +1,12 @@
 // The bf16 GEMM with alpha in the epilogue, for GPUs without FP4 tensor cores
-// (compute capability 8.0 to 9.x, e.g. the H200), through cuBLASLt: FFI
+// (compute capability 8.0 to 9.x, e.g. Hopper), through cuBLASLt: FFI
 // target "jax_nvfp4_matmul_bf16".
 //
-// jax_nvfp4/cuda_gemm.py decodes both operands to bfloat16 in XLA (e2m1 times
+// jax_nvfp4/backends/hopper.py decodes both operands to bfloat16 in XLA (e2m1 times
 // the E4M3 block scale has at most 6 significant bits: exact in bfloat16) and
 // hands them here with the amaxes. The alpha kernel (cublaslt.h) writes
 // alpha = (amax_a / 2688) * (amax_b / 2688) and beta = 0 to the head of the
-// workspace; then cublasLtMatmul computes, per the plan of cublaslt_plan.h,
+// workspace; then cublasLtMatmul computes, per the plan of bf16_gemm_plan.h,
 //   A = b, CUDA_R_16BF, k x n, lda = k, CUBLAS_OP_T
 //   B = a, CUDA_R_16BF, k x m, ldb = k, CUBLAS_OP_N
 //   D = C = out^T, CUDA_R_16BF or CUDA_R_32F, n x m, ldd = n
@@ -28,9 +28,10 @@
 #include <string>
 #include <vector>
 
-#include "cublaslt.h"
-#include "cublaslt_plan.h"
-#include "handler_common.h"
+#include "bindings.h"
+#include "checks.h"
+#include "gemm/bf16_gemm_plan.h"
+#include "gemm/cublaslt.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {
@@ -50,7 +51,7 @@ std::string Problem(const Bf16GemmPlan& p, ffi::DataType out) {
          std::to_string(p.n) + "x" + std::to_string(p.k);
 }
 
-// The operation of cublaslt_plan.h: D (n x call_m, call_batch of them) =
+// The operation of bf16_gemm_plan.h: D (n x call_m, call_batch of them) =
 // alpha * b^T a, alpha and beta read from device memory.
 bool Describe(const Bf16GemmPlan& p, cudaDataType_t d_type,
               MatmulDescriptors& desc, CublasFailure& ok) {
@@ -224,23 +225,16 @@ namespace ffi = xla::ffi;
 // graphs), so that a training step's kernels are replayed as graphs instead
 // of launched one by one from the host. What it enqueues is capturable (the
 // alpha kernel; cublasLtMatmul on the workspace XLA allocates) and its
-// one-time setup runs under CaptureSafeSetup (cublaslt.h). The plain
+// one-time setup runs under CaptureSafeSetup (gemm/cublaslt.h). The plain
 // registration keeps XLA's command buffers around the GEMM
-// (JAX_NVFP4_GEMM_GRAPHS=0, cuda_gemm.py).
-#define JAX_NVFP4_MATMUL_BF16_BINDING                                 \
-  ffi::Ffi::Bind()                                                    \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>() /* CUDA stream */     \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* a [b, M, K], e2m1 * scale */  \
-      .Arg<ffi::Buffer<ffi::BF16>>() /* b [1|b, N, K], likewise */    \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* a amax [1|b] */               \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* b amax [1|b's batch] */       \
-      .Ret<ffi::AnyBuffer>()         /* out [b, M, N], bf16 or f32 */ \
-      .Ret<ffi::Buffer<ffi::U8>>()   /* workspace: beta, alphas, cuBLASLt's */
+// (JAX_NVFP4_GEMM_GRAPHS=0, jax_nvfp4/backends/hopper.py).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4MatmulBf16Cuda, jax_nvfp4::MatmulBf16,
+    jax_nvfp4::MatmulBf16Binding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulBf16Cuda, jax_nvfp4::MatmulBf16,
-                              JAX_NVFP4_MATMUL_BF16_BINDING);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulBf16GraphCuda,
-                              jax_nvfp4::MatmulBf16,
-                              JAX_NVFP4_MATMUL_BF16_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4MatmulBf16GraphCuda, jax_nvfp4::MatmulBf16,
+    jax_nvfp4::MatmulBf16Binding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});

@@ -1,7 +1,7 @@
 // The cuBLASLt plumbing shared by the GEMM handlers: the block-scaled FP4 GEMM
-// on Blackwell (blackwell_gemm.cu, "jax_nvfp4_matmul_fp4_sm100") and the bf16
+// on Blackwell (fp4_gemm.cu, "jax_nvfp4_matmul_fp4_sm100") and the bf16
 // GEMM with alpha in the epilogue for GPUs without FP4 tensor cores
-// (cublaslt_bf16_gemm.cu, "jax_nvfp4_matmul_bf16").
+// (bf16_gemm.cu, "jax_nvfp4_matmul_bf16").
 //
 // * cuBLASLt is loaded when a handler first runs (dlopen), so the extension
 //   has no link-time dependency on it and imports where it is absent. Lookup
@@ -20,12 +20,12 @@
 // * The alpha kernel: alpha = (amax_a / 2688) * (amax_b / 2688) of each batch
 //   item, with IEEE division as in the CPU handler (XLA would turn a division
 //   by 2688 into an inexact multiplication), and beta = 0, written to the head
-//   of the handler's workspace result (cublaslt_plan.h), where cuBLASLt's
+//   of the handler's workspace result (bf16_gemm_plan.h), where cuBLASLt's
 //   device pointer mode reads them.
 // * Errors: every failure becomes an ffi::Error that names the handler and,
 //   for failures at run time, says how to bypass it.
-#ifndef JAX_NVFP4_FFI_CUBLASLT_H_
-#define JAX_NVFP4_FFI_CUBLASLT_H_
+#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_H_
+#define JAX_NVFP4_FFI_GEMM_CUBLASLT_H_
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -35,7 +35,7 @@
 #include <initializer_list>
 #include <string>
 
-#include "handler_common.h"
+#include "checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {
@@ -215,4 +215,4 @@ CublasWorkspace AlignedCublasWorkspace(void* head_end,
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_CUBLASLT_H_
+#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_H_

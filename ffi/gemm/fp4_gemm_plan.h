@@ -1,6 +1,6 @@
-// Argument logic of the native Blackwell FP4 GEMM (blackwell_gemm.cu), kept
+// Argument logic of the native Blackwell FP4 GEMM (fp4_gemm.cu), kept
 // free of CUDA and cuBLAS so that the extension can expose it to CPU tests
-// (module.cc: plan_fp4_gemm) next to jax_nvfp4/blackwell.py, which prepares
+// (module.cc: plan_fp4_gemm) next to jax_nvfp4/backends/blackwell.py, which prepares
 // the operands.
 //
 // The handler computes, for every batch item, the row-major product
@@ -13,20 +13,20 @@
 // requires. Every leading dimension is k (A, B) or n (D). alpha is computed
 // on the device from the amaxes, as on every backend:
 // (amax_a / 2688) * (amax_b / 2688).
-#ifndef JAX_NVFP4_FFI_FP4_GEMM_PLAN_H_
-#define JAX_NVFP4_FFI_FP4_GEMM_PLAN_H_
+#ifndef JAX_NVFP4_FFI_GEMM_FP4_GEMM_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_FP4_GEMM_PLAN_H_
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "cublaslt_plan.h"
+#include "gemm/bf16_gemm_plan.h"
 
 namespace jax_nvfp4 {
 
 // Row tile (M and N) and K tile the handler requires. 128 rows x 4 scale
 // columns (= 64 elements of K) is one tile of the VEC16_UE4M3 scale layout
-// (scale_layout.h), so every scale and code byte cuBLASLt reads is defined;
+// (numerics/scale_layout.h), so every scale and code byte cuBLASLt reads is defined;
 // it also satisfies the 16-byte alignment of every leading dimension.
 inline constexpr int64_t kFp4RowTile = 128;
 inline constexpr int64_t kFp4KTile = 64;
@@ -45,7 +45,7 @@ struct Fp4GemmPlan {
   int64_t out_stride = 0;
   int64_t a_amax_stride = 0;
   int64_t b_amax_stride = 0;
-  // The workspace result: the head of cublaslt_plan.h (beta, then the alpha
+  // The workspace result: the head of bf16_gemm_plan.h (beta, then the alpha
   // of each item), then cuBLASLt's part.
   int64_t workspace_head_bytes = 0;
   int64_t workspace_bytes = 0;  // for cuBLASLt, after the head
@@ -132,4 +132,4 @@ inline std::string PlanFp4Gemm(
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_FP4_GEMM_PLAN_H_
+#endif  // JAX_NVFP4_FFI_GEMM_FP4_GEMM_PLAN_H_

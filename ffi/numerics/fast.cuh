@@ -1,9 +1,9 @@
 // Fast CUDA forms of the per-element and per-block arithmetic of
-// nvfp4_numerics.h, bit-identical to it (see below). Used by the quantize
-// kernels (cuda_handlers.cu) and checked exhaustively against the header by
-// benchmarks/fast_numerics_check.cu on a GPU.
-#ifndef JAX_NVFP4_FFI_CUDA_FAST_NUMERICS_CUH_
-#define JAX_NVFP4_FFI_CUDA_FAST_NUMERICS_CUH_
+// numerics/nvfp4.h, bit-identical to it (see below). Used by the quantize
+// kernels (ffi/cuda/) and checked exhaustively against the header by
+// tools/fast_numerics_check.cu on a GPU.
+#ifndef JAX_NVFP4_FFI_NUMERICS_FAST_CUH_
+#define JAX_NVFP4_FFI_NUMERICS_FAST_CUH_
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,12 +12,12 @@
 #include <cfloat>
 #include <cstdint>
 
-#include "nvfp4_numerics.h"
+#include "numerics/nvfp4.h"
 
 namespace jax_nvfp4 {
 
 // ---------------------------------------------------------------------------
-// Fast forms of the per-element arithmetic of nvfp4_numerics.h.
+// Fast forms of the per-element arithmetic of numerics/nvfp4.h.
 //
 // These kernels are bound by instruction issue, mostly on the integer/compare
 // pipe (half rate on Hopper) and the conversion pipe (quarter rate). The
@@ -35,11 +35,10 @@ namespace jax_nvfp4 {
 // of 8 elements are gathered with 6 byte permutes (SignNibbles8) and OR-ed in
 // after packing. A NaN element gives index 7 but would keep its sign bit, so
 // a block holding a NaN (found by the NaN-propagating block maximum) is left
-// to the header's own EncodeBlock16. Checked on an H200 against the header
-// for every float32 bit pattern (benchmarks/fast_numerics_check.cu; with two
-// random bytes per pattern for stochastic rounding; the previous form, sign in
-// the offset, was checked with all 256 bytes); the tests compare every kernel
-// with the CPU.
+// to the header's own EncodeBlock16. Checked against the header for every
+// float32 bit pattern (tools/fast_numerics_check.cu; with two random bytes
+// per pattern for stochastic rounding); the tests compare every kernel with
+// the CPU.
 //
 // RandomHadamard16Fast is the header's RandomHadamard16 (its
 // HadamardButterfly16, then the rounding to bfloat16) with the final rounding
@@ -213,7 +212,7 @@ __device__ __forceinline__ uint64_t EncodeBlock16Fast(
 //
 // The first butterfly stage is not folded into the 1/4 scaling as
 // fma(x_{i+1}, +-s/4, z_i) (8 instructions less per block): with subnormals
-// flushed (-ftz=true, see nvfp4_numerics.h) the header's z_{i+1} =
+// flushed (-ftz=true, see numerics/nvfp4.h) the header's z_{i+1} =
 // x_{i+1} * s / 4 is zero when |x_{i+1}| < 2^-124, while the FMA's product
 // is not flushed, so the sums differ for tiny values.
 __device__ __forceinline__ void RandomHadamard16FastPacked(
@@ -329,7 +328,7 @@ struct BlockScaleE4M3 {
 // sm_89+ the rounding is cvt.rn.satfinite.e4m3x2.f32 (nearest even,
 // saturating at 448, E4M3 subnormals included) and the value comes back
 // through cvt to float16 (exact): equal to the header for every such float
-// (checked exhaustively on an H200 by benchmarks/fast_numerics_check.cu).
+// (checked exhaustively by tools/fast_numerics_check.cu).
 __device__ __forceinline__ BlockScaleE4M3 E4M3FromFloat(float v) {
 #if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC) || __CUDA_ARCH__ < 890
   const float scale = E4M3RoundSatfinite(v);
@@ -355,4 +354,4 @@ __device__ __forceinline__ BlockScaleE4M3 BlockScaleFast(float block_amax,
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_CUDA_FAST_NUMERICS_CUH_
+#endif  // JAX_NVFP4_FFI_NUMERICS_FAST_CUH_

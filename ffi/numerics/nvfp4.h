@@ -7,7 +7,7 @@
 // float32 subnormals are flushed to zero with their sign, as inputs and as
 // results of every operation (FTZ and DAZ): XLA runs CPU computations in that
 // mode, so the pure-JAX twin cannot do otherwise there; the CPU handlers set
-// it themselves (cpu_handlers.cc) and the CUDA kernels are built with
+// it themselves (cpu/common.h) and the CUDA kernels are built with
 // -ftz=true. Only magnitudes below 2^-126 (~1.2e-38) are affected: every
 // bfloat16 subnormal input quantizes as a (signed) zero.
 //
@@ -19,8 +19,8 @@
 //   * -0.0 (and negative values that round to zero) keep their sign: code 0x8.
 //   * A block whose E4M3 scale rounds to 0 gets enc_b = FLT_MAX; its values
 //     dequantize to (signed) zero.
-#ifndef JAX_NVFP4_FFI_NVFP4_NUMERICS_H_
-#define JAX_NVFP4_FFI_NVFP4_NUMERICS_H_
+#ifndef JAX_NVFP4_FFI_NUMERICS_NVFP4_H_
+#define JAX_NVFP4_FFI_NUMERICS_NVFP4_H_
 
 #include <cfloat>
 #include <cmath>
@@ -398,4 +398,4 @@ NVFP4_HD uint64_t EncodeBlock16(const float v[kBlock], float encode_multiplier,
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_NVFP4_NUMERICS_H_
+#endif  // JAX_NVFP4_FFI_NUMERICS_NVFP4_H_

@@ -4,12 +4,12 @@
 // 128x4 tiles of 512 bytes, tiles in row-major order. Inside a tile, row
 // r = 32 * i + j (i in 0..3, j in 0..31) and column c go to byte
 // j * 16 + i * 4 + c: the four 32-row bands are interleaved.
-#ifndef JAX_NVFP4_FFI_SCALE_LAYOUT_H_
-#define JAX_NVFP4_FFI_SCALE_LAYOUT_H_
+#ifndef JAX_NVFP4_FFI_NUMERICS_SCALE_LAYOUT_H_
+#define JAX_NVFP4_FFI_NUMERICS_SCALE_LAYOUT_H_
 
 #include <cstdint>
 
-#include "nvfp4_numerics.h"
+#include "numerics/nvfp4.h"
 
 namespace jax_nvfp4 {
 
@@ -33,4 +33,4 @@ NVFP4_HD int64_t SwizzledScaleBytes(int64_t rows, int64_t cols) {
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_SCALE_LAYOUT_H_
+#endif  // JAX_NVFP4_FFI_NUMERICS_SCALE_LAYOUT_H_

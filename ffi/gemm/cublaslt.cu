@@ -7,8 +7,8 @@
 #include <mutex>
 #include <tuple>
 
-#include "cublaslt.h"
-#include "nvfp4_numerics.h"
+#include "gemm/cublaslt.h"
+#include "numerics/nvfp4.h"
 
 namespace jax_nvfp4 {
 namespace {

@@ -1,9 +1,9 @@
 // Native block-scaled FP4 GEMM on Blackwell (compute capability >= 10.0)
 // through cuBLASLt: FFI target "jax_nvfp4_matmul_fp4_sm100".
 //
-// The operands come prepared by jax_nvfp4/blackwell.py (native_operands):
+// The operands come prepared by jax_nvfp4/backends/blackwell.py (native_operands):
 // codes padded with zeros to the tiles of fp4_gemm_plan.h, block scales in
-// cuBLASLt's swizzled VEC16_UE4M3 layout (scale_layout.h), and the amaxes
+// cuBLASLt's swizzled VEC16_UE4M3 layout (numerics/scale_layout.h), and the amaxes
 // (one per batch item, or one for all). The alpha kernel (cublaslt.h) writes
 // alpha = (amax_a / 2688) * (amax_b / 2688) of each item and beta = 0 to the
 // head of the workspace; then, per batch item, one cublasLtMatmul with
@@ -22,7 +22,7 @@
 // with the bf16 GEMM (cublaslt.h). Every failure is returned as an ffi::Error
 // that says what to do.
 //
-// Not run on Blackwell hardware yet (see jax_nvfp4/blackwell.py).
+// Not run on Blackwell hardware yet (see jax_nvfp4/backends/blackwell.py).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -30,9 +30,10 @@
 #include <string>
 #include <vector>
 
-#include "cublaslt.h"
-#include "fp4_gemm_plan.h"
-#include "handler_common.h"
+#include "bindings.h"
+#include "checks.h"
+#include "gemm/cublaslt.h"
+#include "gemm/fp4_gemm_plan.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {
@@ -231,13 +232,5 @@ namespace ffi = xla::ffi;
 // has run on Blackwell hardware.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxNvfp4MatmulFp4Sm100Cuda, jax_nvfp4::MatmulFp4Sm100,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // CUDA stream
-        .Arg<ffi::Buffer<ffi::U8>>()    // a codes [b, M, K/2], padded
-        .Arg<ffi::Buffer<ffi::U8>>()    // a scales [b, M*K/16], swizzled
-        .Arg<ffi::Buffer<ffi::F32>>()   // a amax [1|b]
-        .Arg<ffi::Buffer<ffi::U8>>()    // b codes [1|b, N, K/2], padded
-        .Arg<ffi::Buffer<ffi::U8>>()    // b scales [1|b, N*K/16], swizzled
-        .Arg<ffi::Buffer<ffi::F32>>()   // b amax [1|b]
-        .Ret<ffi::AnyBuffer>()          // out [b, M, N], bf16 or f32
-        .Ret<ffi::Buffer<ffi::U8>>());  // workspace: beta, alphas, cuBLASLt's
+    jax_nvfp4::MatmulFp4Binding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));

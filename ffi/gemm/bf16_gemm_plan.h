@@ -1,7 +1,7 @@
 // Argument logic of the cuBLASLt GEMM handlers, kept free of CUDA and cuBLAS
 // so that the extension can expose it to CPU tests (module.cc:
-// plan_bf16_gemm): the workspace head that both handlers (blackwell_gemm.cu,
-// cublaslt_bf16_gemm.cu) write alpha and beta to, and the shape checks and
+// plan_bf16_gemm): the workspace head that both handlers (fp4_gemm.cu,
+// bf16_gemm.cu) write alpha and beta to, and the shape checks and
 // call plan of the bf16 GEMM.
 //
 // The bf16 GEMM handler (target "jax_nvfp4_matmul_bf16") computes, for every
@@ -14,8 +14,8 @@
 // column-major and is asked for D = out^T [n x m] with A = b (k x n
 // column-major, op(A) = A^T) and B = a (k x m column-major, op(B) = B): lda =
 // ldb = k, ldd = n.
-#ifndef JAX_NVFP4_FFI_CUBLASLT_PLAN_H_
-#define JAX_NVFP4_FFI_CUBLASLT_PLAN_H_
+#ifndef JAX_NVFP4_FFI_GEMM_BF16_GEMM_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_BF16_GEMM_PLAN_H_
 
 #include <cstdint>
 #include <limits>
@@ -75,7 +75,7 @@ inline std::string PlanBf16Gemm(const std::vector<int64_t>& a,
                                 Bf16GemmPlan* plan) {
   const std::string fix =
       "; lower jax_nvfp4.matmul, which prepares the operands "
-      "(jax_nvfp4.cuda_gemm.matmul_bf16)";
+      "(jax_nvfp4.backends.hopper.matmul_bf16)";
   if (a.size() != 3 || b.size() != 3 || out.size() != 3) {
     return "a, b and out must be rank 3 [batch, rows, ...]" + fix;
   }
@@ -151,4 +151,4 @@ inline std::string PlanBf16Gemm(const std::vector<int64_t>& a,
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_CUBLASLT_PLAN_H_
+#endif  // JAX_NVFP4_FFI_GEMM_BF16_GEMM_PLAN_H_
