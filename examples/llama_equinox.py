@@ -16,7 +16,7 @@ the positions; the NVFP4 layers fold both maps into one GEMM over all tokens.
     python examples/text_data.py prepare --out .data/      # once (network)
     python examples/llama_equinox.py --precision nvfp4     # CPU: about a minute
 
-benchmarks/convergence.sh has the GPU-sized flags.
+benchmarks/convergence.py has the GPU-sized flags.
 """
 
 from __future__ import annotations

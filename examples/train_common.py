@@ -67,7 +67,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
 
     The defaults are a tiny model (2 layers, d_model 64, ~100K parameters) that
     trains for 120 steps on the CPU in about a minute; the convergence run
-    (benchmarks/convergence.sh) passes GPU-sized values.
+    (benchmarks/convergence.py) passes GPU-sized values.
     """
     parser.add_argument(
         "--precision",
