@@ -6,6 +6,7 @@ multi_gpu_check.py import it (benchmarks/ is on sys.path when one of them runs).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import shutil
@@ -18,6 +19,18 @@ import jax
 import jax.numpy as jnp
 
 import jax_nvfp4 as nv
+
+
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose --help shows the script's docstring: its first line as
+    the description, the rest (usage examples, what it measures) after the
+    options."""
+    first, _, rest = doc.partition("\n")
+    return argparse.ArgumentParser(
+        description=first,
+        epilog=rest,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

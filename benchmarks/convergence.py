@@ -24,7 +24,6 @@ The bound checked: nvfp4's final training loss within 1.5% of bf16's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -35,6 +34,7 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import train_common  # noqa: E402
+from common import argument_parser  # noqa: E402
 
 PRECISIONS = ("bf16", "nvfp4", "nvfp4_no_rht", "nvfp4_no_sr")
 TOLERANCE = 0.015  # nvfp4's final training loss within 1.5% of bf16's
@@ -150,11 +150,7 @@ def report(directory: str, last: int) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[1:]),
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument(
         "--precisions",
         default=",".join(PRECISIONS),

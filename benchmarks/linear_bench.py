@@ -30,7 +30,6 @@ jitted forward + backward step by XLA's compiled memory analysis (arguments
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import statistics
@@ -40,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from common import (
     ClockLog,
+    argument_parser,
     gemm_operands,
     header,
     linear_operands,
@@ -271,11 +271,7 @@ def print_memory(memory):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[1:]),
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--out", help="write every sample and the summary as JSON")
     parser.add_argument("--hlo-dir", help="write the compiled HLO of the ops here")
     parser.add_argument("--gemm", type=int, default=8192, help="GEMM size S (S^3)")

@@ -15,12 +15,10 @@
 Exits 1 if a check fails.
 """
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import median_seconds, parse_shape
+from common import argument_parser, median_seconds, parse_shape
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,11 +42,7 @@ def tensor_bytes(t):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[1:]),
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument(
         "--scaling-shape",
         default="8192x4096x14336",

@@ -31,7 +31,6 @@ time per op, without the gaps between them; --kernels lists them).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import glob
 import statistics
@@ -40,7 +39,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from common import header, parse_shape, write_json
+from common import argument_parser, header, parse_shape, write_json
 
 import jax_nvfp4 as nv
 
@@ -206,11 +205,7 @@ def bench_shape(m, k, list_kernels=False):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[1:]),
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument("--out", help="write the rows as JSON")
     parser.add_argument(
         "--shapes", default="8192x4096,16384x8192", help="comma-separated MxK"

@@ -16,7 +16,6 @@ a step's time goes kernel by kernel (GEMMs, quantize, decode, amax passes).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import os
@@ -26,6 +25,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 from common import (
+    argument_parser,
     gemm_operands,
     header,
     linear_operands,
@@ -151,11 +151,7 @@ def trace_linear(shape, out=None, repeat=1):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[1:]),
-    )
+    parser = argument_parser(__doc__)
     parser.add_argument(
         "--linear", default="8192x4096x14336", help="TOKENSxKxN of the linear step"
     )
