@@ -23,14 +23,14 @@ namespace ffi = xla::ffi;
 template <typename Binder>
 auto QuantizeBinding(Binder binder, const char* side) {
   return std::move(binder)
-      .template Arg<ffi::AnyBuffer>()             // x [b, m, k] f32/bf16/f16
-      .template Arg<ffi::Buffer<ffi::F32>>()      // amax [n], n divides b
-      .template Arg<ffi::Buffer<ffi::U32>>()      // key [n, 2], n divides b
-      .template Arg<ffi::Buffer<ffi::S32>>()      // origin [3]: (b0, m0, k0)
-      .template Ret<ffi::Buffer<ffi::U8>>()       // codes [b, rows, len/2]
-      .template Ret<ffi::AnyBuffer>()             // e4m3 scales [b, rows, len/16]
-      .template Attr<QuantizeOptions>(side)       // how the output is made
-      .template Attr<GlobalPlace>("place");       // the shard's place
+      .template Arg<ffi::AnyBuffer>()         // x [b, m, k] f32/bf16/f16
+      .template Arg<ffi::Buffer<ffi::F32>>()  // amax [n], n divides b
+      .template Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2], n divides b
+      .template Arg<ffi::Buffer<ffi::S32>>()  // origin [3]: (b0, m0, k0)
+      .template Ret<ffi::Buffer<ffi::U8>>()   // codes [b, rows, len/2]
+      .template Ret<ffi::AnyBuffer>()         // e4m3 scales [b, rows, len/16]
+      .template Attr<QuantizeOptions>(side)   // how the output is made
+      .template Attr<GlobalPlace>("place");   // the shard's place
 }
 
 // jax_nvfp4_quantize_rows_cols: both outputs of one x; either side's codes
@@ -38,18 +38,20 @@ auto QuantizeBinding(Binder binder, const char* side) {
 template <typename Binder>
 auto QuantizeRowsColsBinding(Binder binder) {
   return std::move(binder)
-      .template Arg<ffi::AnyBuffer>()             // x [b, m, k] f32/bf16/f16
-      .template Arg<ffi::Buffer<ffi::F32>>()      // row amax [n]
-      .template Arg<ffi::Buffer<ffi::F32>>()      // col amax [n]
-      .template Arg<ffi::Buffer<ffi::U32>>()      // key [n, 2]
-      .template Arg<ffi::Buffer<ffi::S32>>()      // origin [3]: (b0, m0, k0)
-      .template Ret<ffi::AnyBuffer>()  // row codes u8 [b, m, k/2] | bf16 [b, m, k]
+      .template Arg<ffi::AnyBuffer>()         // x [b, m, k] f32/bf16/f16
+      .template Arg<ffi::Buffer<ffi::F32>>()  // row amax [n]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // col amax [n]
+      .template Arg<ffi::Buffer<ffi::U32>>()  // key [n, 2]
+      .template Arg<ffi::Buffer<ffi::S32>>()  // origin [3]: (b0, m0, k0)
+      // row codes u8 [b, m, k/2], or rows.decoded: bf16 values [b, m, k]
+      .template Ret<ffi::AnyBuffer>()
       .template Ret<ffi::AnyBuffer>()  // row scales [b, m, k/16]
-      .template Ret<ffi::AnyBuffer>()  // col codes u8 [b, k, m/2] | bf16 [b, k, m]
-      .template Ret<ffi::AnyBuffer>()  // col scales [b, k, m/16]
-      .template Attr<QuantizeOptions>("rows")     // the row-wise output
-      .template Attr<QuantizeOptions>("cols")     // the column-wise output
-      .template Attr<GlobalPlace>("place");       // the shard's place
+      // col codes u8 [b, k, m/2], or cols.decoded: bf16 values [b, k, m]
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()          // col scales [b, k, m/16]
+      .template Attr<QuantizeOptions>("rows")  // the row-wise output
+      .template Attr<QuantizeOptions>("cols")  // the column-wise output
+      .template Attr<GlobalPlace>("place");    // the shard's place
 }
 
 // jax_nvfp4_amax: (max |x[b]|, max |bf16(RHT(x[b]))|) per batch item.
@@ -104,7 +106,8 @@ auto MatmulBf16Binding(Binder binder) {
       .template Arg<ffi::Buffer<ffi::F32>>()   // a amax [1|b]
       .template Arg<ffi::Buffer<ffi::F32>>()   // b amax [1|b's batch]
       .template Ret<ffi::AnyBuffer>()          // out [b, M, N], bf16 or f32
-      .template Ret<ffi::Buffer<ffi::U8>>();   // workspace: beta, alphas, cuBLASLt's
+      .template Ret<ffi::Buffer<ffi::U8>>();   // workspace: beta, alphas,
+                                               // cuBLASLt's
 }
 
 // jax_nvfp4_matmul_fp4_sm100 (CUDA, cuBLASLt on Blackwell).
@@ -115,10 +118,11 @@ auto MatmulFp4Binding(Binder binder) {
       .template Arg<ffi::Buffer<ffi::U8>>()   // a scales [b, M*K/16], swizzled
       .template Arg<ffi::Buffer<ffi::F32>>()  // a amax [1|b]
       .template Arg<ffi::Buffer<ffi::U8>>()   // b codes [1|b, N, K/2], padded
-      .template Arg<ffi::Buffer<ffi::U8>>()   // b scales [1|b, N*K/16], swizzled
+      .template Arg<ffi::Buffer<ffi::U8>>()  // b scales [1|b, N*K/16], swizzled
       .template Arg<ffi::Buffer<ffi::F32>>()  // b amax [1|b]
       .template Ret<ffi::AnyBuffer>()         // out [b, M, N], bf16 or f32
-      .template Ret<ffi::Buffer<ffi::U8>>();  // workspace: beta, alphas, cuBLASLt's
+      .template Ret<ffi::Buffer<ffi::U8>>();  // workspace: beta, alphas,
+                                              // cuBLASLt's
 }
 
 }  // namespace jax_nvfp4

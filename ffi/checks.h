@@ -101,8 +101,8 @@ inline ffi::Error CheckOutputSizes(int64_t batch, int64_t rows, int64_t len,
 
 // One side's output of quantize_rows_cols: uint8 codes [batch, rows, len/2],
 // or, `decoded`, bfloat16 values [batch, rows, len]; and the scales.
-inline ffi::Error CheckDecodableOutput(int64_t batch, int64_t rows,
-                                       int64_t len, bool decoded,
+inline ffi::Error CheckDecodableOutput(int64_t batch, int64_t rows, int64_t len,
+                                       bool decoded,
                                        ffi::Result<ffi::AnyBuffer>& values,
                                        ffi::Result<ffi::AnyBuffer>& scales) {
   const int64_t n = batch * rows * len;

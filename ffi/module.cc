@@ -42,7 +42,8 @@ NB_MODULE(_ffi, m) {
   m.def("cpu_registrations", []() {
     nb::dict d;
 #define JAX_NVFP4_TARGET(name, symbol, platform, gate) \
-  JAX_NVFP4_IF_BUILT(gate, JAX_NVFP4_IF_CPU(platform, d[name] = Capsule(symbol);))
+  JAX_NVFP4_IF_BUILT(gate,                             \
+                     JAX_NVFP4_IF_CPU(platform, d[name] = Capsule(symbol);))
 #include "targets.inc"
 #undef JAX_NVFP4_TARGET
     return d;
@@ -50,7 +51,8 @@ NB_MODULE(_ffi, m) {
   m.def("cuda_registrations", []() {
     nb::dict d;
 #define JAX_NVFP4_TARGET(name, symbol, platform, gate) \
-  JAX_NVFP4_IF_BUILT(gate, JAX_NVFP4_IF_CUDA(platform, d[name] = Capsule(symbol);))
+  JAX_NVFP4_IF_BUILT(gate,                             \
+                     JAX_NVFP4_IF_CUDA(platform, d[name] = Capsule(symbol);))
 #include "targets.inc"
 #undef JAX_NVFP4_TARGET
     return d;
@@ -80,8 +82,8 @@ NB_MODULE(_ffi, m) {
     return offsets;
   });
   // The argument checks of the Blackwell FP4 GEMM handler, for CPU tests of
-  // jax_nvfp4.backends.blackwell.native_operands: the handler's per-item strides, or
-  // ValueError with the handler's message.
+  // jax_nvfp4.backends.blackwell.native_operands: the handler's per-item
+  // strides, or ValueError with the handler's message.
   m.def(
       "plan_fp4_gemm",
       [](std::vector<int64_t> a_codes, std::vector<int64_t> a_scales,

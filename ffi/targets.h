@@ -1,11 +1,9 @@
 // Helpers for reading targets.inc: JAX_NVFP4_IF_BUILT(gate, ...) expands to
 // its arguments when the build compiles the targets of `gate`, else to
 // nothing; JAX_NVFP4_IF_CPU(platform, ...) and JAX_NVFP4_IF_CUDA(platform,
-// ...) to them for targets of that platform. E.g. the declarations:
-//   #define JAX_NVFP4_TARGET(name, symbol, platform, gate) \
-//     JAX_NVFP4_IF_BUILT(gate, XLA_FFI_Error* symbol(XLA_FFI_CallFrame*);)
-//   #include "targets.inc"
-//   #undef JAX_NVFP4_TARGET
+// ...) to them for targets of that platform. A reader defines
+// JAX_NVFP4_TARGET(name, symbol, platform, gate) with these, includes
+// targets.inc and undefines it again (module.cc, cpu/library.cc).
 #ifndef JAX_NVFP4_FFI_TARGETS_H_
 #define JAX_NVFP4_FFI_TARGETS_H_
 

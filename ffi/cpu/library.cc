@@ -27,7 +27,8 @@ const CpuTarget kCpuTargets[] = {
 #undef JAX_NVFP4_TARGET
 };
 
-constexpr int64_t kCpuTargetCount = sizeof(kCpuTargets) / sizeof(kCpuTargets[0]);
+constexpr int64_t kCpuTargetCount =
+    sizeof(kCpuTargets) / sizeof(kCpuTargets[0]);
 
 }  // namespace
 

@@ -19,10 +19,9 @@ namespace {
 // ..., K - 1 in float32. b has batch 1 (shared) or the batch of a; each
 // amax has one value per batch item of its operand, or one in all.
 ffi::Error MatmulCpu(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
-                      ffi::Buffer<ffi::F32> a_amax,
-                      ffi::Buffer<ffi::U8> b_codes, ffi::AnyBuffer b_scales,
-                      ffi::Buffer<ffi::F32> b_amax,
-                      ffi::Result<ffi::AnyBuffer> out) {
+                     ffi::Buffer<ffi::F32> a_amax, ffi::Buffer<ffi::U8> b_codes,
+                     ffi::AnyBuffer b_scales, ffi::Buffer<ffi::F32> b_amax,
+                     ffi::Result<ffi::AnyBuffer> out) {
   const ScopedFlushSubnormals flush_subnormals;
   const auto ad = a_codes.dimensions();
   const auto bd = b_codes.dimensions();

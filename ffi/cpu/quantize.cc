@@ -166,20 +166,22 @@ ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizeRowsColsCpu(
-    ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
-    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
-    ffi::Buffer<ffi::S32> origin, ffi::Result<ffi::AnyBuffer> row_codes,
-    ffi::Result<ffi::AnyBuffer> row_scales,
-    ffi::Result<ffi::AnyBuffer> col_codes,
-    ffi::Result<ffi::AnyBuffer> col_scales, QuantizeOptions rows,
-    QuantizeOptions cols, GlobalPlace place) {
+ffi::Error QuantizeRowsColsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
+                               ffi::Buffer<ffi::F32> col_amax,
+                               ffi::Buffer<ffi::U32> key,
+                               ffi::Buffer<ffi::S32> origin,
+                               ffi::Result<ffi::AnyBuffer> row_codes,
+                               ffi::Result<ffi::AnyBuffer> row_scales,
+                               ffi::Result<ffi::AnyBuffer> col_codes,
+                               ffi::Result<ffi::AnyBuffer> col_scales,
+                               QuantizeOptions rows, QuantizeOptions cols,
+                               GlobalPlace place) {
   const ScopedFlushSubnormals flush_subnormals;
   MatrixDims d;
   for (const bool side_cols : {false, true}) {
-    if (auto e = CheckQuantizeInput(x, side_cols, side_cols ? col_amax : row_amax,
-                                    key, origin, place,
-                                    side_cols ? cols : rows, &d);
+    if (auto e =
+            CheckQuantizeInput(x, side_cols, side_cols ? col_amax : row_amax,
+                               key, origin, place, side_cols ? cols : rows, &d);
         e.failure()) {
       return e;
     }

@@ -205,8 +205,7 @@ ffi::Error AmaxCuda(cudaStream_t stream, ffi::AnyBuffer x,
   args.out = out_data;
   // The recipe's columns in bfloat16, 16-byte aligned rows: chunks of 16 rows
   // x 8 columns (AmaxColumnsBf16Kernel).
-  const bool columns_bf16 = cols &&
-                            x.element_type() == ffi::DataType::BF16 &&
+  const bool columns_bf16 = cols && x.element_type() == ffi::DataType::BF16 &&
                             args.x_vec && d.k % 8 == 0;
   const int64_t thread_chunks = columns_bf16 ? args.chunks / 8 : args.chunks;
   // About 4 waves of CTAs in all (at least one per batch item), each CTA

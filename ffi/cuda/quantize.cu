@@ -52,8 +52,7 @@ ffi::Error CheckQuantizePlaced(
     const GlobalPlace& place, const QuantizeOptions& options,
     ffi::Result<ffi::Buffer<ffi::U8>>& codes,
     ffi::Result<ffi::AnyBuffer>& scales, MatrixDims* d) {
-  if (auto e =
-          CheckQuantize(x, cols, amax, key, options, codes, scales, d);
+  if (auto e = CheckQuantize(x, cols, amax, key, options, codes, scales, d);
       e.failure()) {
     return e;
   }
@@ -203,12 +202,12 @@ ffi::Error QuantizeRowsColsCuda(
   }
   TileArgs args = MakeTileArgs(x, d, key);
   if (args.tiles == 0) return ffi::Error::Success();
-  args.row = MakeOutputArgs(d, row_amax, origin, place, false, rows,
-                            row_values->untyped_data(),
-                            row_scales->untyped_data());
-  args.col = MakeOutputArgs(d, col_amax, origin, place, true, cols,
-                            col_values->untyped_data(),
-                            col_scales->untyped_data());
+  args.row =
+      MakeOutputArgs(d, row_amax, origin, place, false, rows,
+                     row_values->untyped_data(), row_scales->untyped_data());
+  args.col =
+      MakeOutputArgs(d, col_amax, origin, place, true, cols,
+                     col_values->untyped_data(), col_scales->untyped_data());
   if ((rows.decoded || cols.decoded) &&
       !PrivateTileApplies(x.element_type(), args)) {
     return InvalidArgument(

@@ -30,7 +30,7 @@ struct OutputArgs {
   const float* amax;       // [n_amax]
   int64_t batch_per_amax;  // batch / n_amax
   uint32_t stream;         // stochastic-rounding stream id
-  bool block16;  // block_rows 16: 16x16 blocks (else 1x16)
+  bool block16;            // block_rows 16: 16x16 blocks (else 1x16)
   bool stochastic;
   bool rht;
   bool codes_aligned;  // codes is 8-byte aligned: one 8-byte store per block
@@ -81,8 +81,7 @@ __device__ __forceinline__ EncodedBlock EncodeBlock(
   uint64_t packed;
   if (stochastic) {
     const uint64_t block =
-        GlobalRandomIndex(out.origin, out.place, out.cols, b, r, l) /
-        kBlock;
+        GlobalRandomIndex(out.origin, out.place, out.cols, b, r, l) / kBlock;
     uint64_t random_lo, random_hi;
     RandomBytes16(key0, key1, out.stream, block, &random_lo, &random_hi);
     packed = EncodeBlock16Fast(v, multiplier, has_nan, /*stochastic=*/true,
@@ -118,7 +117,6 @@ __device__ __forceinline__ void EncodeAndStore(
   out.scales[flat / kBlock] = e.scale;
 }
 
-
 __device__ __forceinline__ GlobalScale GlobalScaleOf(const OutputArgs& out,
                                                      int64_t b) {
   return GlobalScaleFromAmax(out.amax[Div(b, out.batch_per_amax)]);
@@ -137,14 +135,7 @@ struct TileArgs {
   OutputArgs col;  // [batch, k, m] quantized along m
 };
 
-// ---------------------------------------------------------------------------
-// QuantizeRowsKernel: x [batch, m, k] -> [batch, m, k] quantized along k.
-// Persistent threads take 16-element blocks i, i + stride, ... (32 bytes of
-// x with 16-byte loads, 8 code bytes, one scale byte each). 1x16: block i in
-// memory order (coalesced). 16x16: the 16 rows of a tile's k-block are 16
-// consecutive threads, which reduce the tile amax with shuffles inside their
-// half warp.
-// ---------------------------------------------------------------------------
+// The arguments of QuantizeRowsKernel (quantize_rows.cu).
 struct RowsArgs {
   const void* x;
   int64_t batch, m, k;

@@ -28,16 +28,13 @@ namespace {
 // quantizes those 8 rows along k, and, after a __syncwarp, the 8 tile
 // columns 8h .. 8h + 7 along m -- each column block 8 words from its own
 // slice and 8 from its partner's. No second read of x, no CTA barrier (one
-// shuffle per 16x16 block for its amax). Register-held tiles failed: code
-// indexed by a loop counter cannot address registers, and the fully unrolled
-// form (~200 KB of code per instantiation) was 3x slower on an H200 (752 vs 246
-// us at 16384 x 8192: the instruction cache). Half a tile per thread (the
-// previous form gave each thread a whole tile) halves the slice and the load
-// registers, so twice the warps fit on an SM to hide the latency of the
-// arithmetic's dependency chains (the whole-tile form issued in 62% of cycles
-// with 3 warps per scheduler, stalled mostly on fixed-latency dependencies).
-// The rounding and RHT options are template arguments: one straight path
-// per instantiation.
+// shuffle per 16x16 block for its amax). The tile is not held in registers:
+// code indexed by a loop counter cannot address registers, and a fully
+// unrolled form (~200 KB of code per instantiation) is bound by the
+// instruction cache. Half a tile per thread (rather than a whole one) halves
+// the slice and the load registers, so twice the warps fit on an SM to hide
+// the latency of the arithmetic's dependency chains. The rounding and RHT
+// options are template arguments: one straight path per instantiation.
 //
 // Slice layout: 65 words per lane; word j of slice row r (elements 2j,
 // 2j + 1 of the row, element 2j in the low half) at 8r + 2(j % 4) + j / 4.
@@ -52,13 +49,11 @@ namespace {
 // write 32 contiguous bytes per row, and its column-code stores 32
 // contiguous bytes (4 m blocks x 8 bytes) of each output row. A CTA is 2
 // warps along m: 128 (m) x 64 (k), with 16.6 KB of shared memory, and
-// takes one tile (the hardware balances the CTAs across the SMs). Measured
-// on an H200 and dropped: a per-CTA shared-memory table of encode
-// multipliers (one per scale byte) in place of the IEEE division per block:
-// with persistent CTAs (a table built once per CTA) 12% fewer instructions
-// but 14% slower (231 vs 202 us at 16384 x 8192: a tail of CTAs with one
-// tile left, and a table load in every block's dependency chain), with one
-// tile per CTA 2% slower.
+// takes one tile (the hardware balances the CTAs across the SMs). The IEEE
+// division per block stays: a shared-memory table of encode multipliers (one
+// per scale byte) saves instructions but puts a table load in every block's
+// dependency chain, and built once per persistent CTA it leaves a tail of
+// CTAs with one tile left; both are slower.
 // ---------------------------------------------------------------------------
 constexpr int kPrivThreads = 64;
 constexpr int kPrivTileM = 128;        // CTA tile rows (m)
@@ -67,8 +62,7 @@ constexpr int kHalfRows = kBlock / 2;  // tile rows per lane
 constexpr int kSliceWords = kHalfRows * kBlock / 2 + 1;
 // 12 CTAs (24 warps) per SM: at most 80 registers per thread (the
 // stochastic-rounding instantiations would take 96, 20 warps), 12 x 17.7 KB
-// of shared memory (16.6 KB + the 1 KB the SM reserves per CTA). One-warp
-// CTAs (64 x 64 tiles, 24 per SM) measured the same on an H200.
+// of shared memory (16.6 KB + the 1 KB the SM reserves per CTA).
 constexpr int kPrivCtasPerSm = 12;
 
 // Where word j (0..7) of slice row r lives in a slice (see above).
@@ -97,7 +91,7 @@ template <bool kRowStochastic, bool kColRht, bool kColStochastic, bool kBlock16>
 __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
     QuantizePrivateTileKernel(const TileArgs args) {
   // 16x16 blocks share one amax both ways only without RHT on the columns.
-  static_assert(!(kBlock16 && kColRht), "16x16 tiles with column RHT");
+  static_assert(!(kBlock16 && kColRht), "16x16 blocks with column RHT");
   using T = In<InType::kBf16>;
   __shared__ uint32_t slices[kPrivThreads * kSliceWords];
   const int lane = threadIdx.x % 32;
@@ -222,10 +216,8 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
             w[kHalfRows + r] = lower[SliceWord(r, j)];
           }
 // One block per loop step, rows and columns alike: the other warps hide
-// the latency, and the code stays short. With two row blocks per step and
-// both columns of a word unrolled, dY's instantiation (4552 instructions)
-// stalled 2 cycles per issued instruction on instruction fetch (335 us at
-// 16384 x 8192 on an H200; 312 us with 3144 instructions).
+// the latency, and the code stays short (with more unrolled, the larger
+// instantiations stall on instruction fetch).
 #pragma unroll 1
           for (int s = 0; s < 2; ++s) {
             // Element s of each word, widened: one byte permute.
@@ -276,7 +268,6 @@ constexpr bool PrivateTileOptionsValid(bool /*row_stochastic*/, bool col_rht,
                                    /*row_rht=*/false, block16 ? 16 : 1,
                                    col_rht);
 }
-
 
 // Launches QuantizePrivateTileKernel<kOptions...> once every option (row
 // stochastic, column RHT, column stochastic, 16x16 blocks, in that order) is

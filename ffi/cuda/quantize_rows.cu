@@ -13,6 +13,14 @@
 namespace jax_nvfp4 {
 namespace {
 
+// ---------------------------------------------------------------------------
+// QuantizeRowsKernel: x [batch, m, k] -> [batch, m, k] quantized along k.
+// Persistent threads take 16-element blocks i, i + stride, ... (32 bytes of
+// x with 16-byte loads, 8 code bytes, one scale byte each). 1x16: block i in
+// memory order (coalesced). 16x16: the 16 rows of one 16x16 block are 16
+// consecutive threads, which reduce the block's amax with shuffles inside
+// their half warp.
+// ---------------------------------------------------------------------------
 template <InType T>
 __global__ void __launch_bounds__(kThreads)
     QuantizeRowsKernel(const RowsArgs args) {
@@ -34,7 +42,7 @@ __global__ void __launch_bounds__(kThreads)
     return *row * args.k + kb * kBlock;
   };
   // Persistent threads: blocks i, i + stride, ...; the next block's loads are
-  // in flight while this one is quantized. blocks % 16 == 0 for 16x16 tiles,
+  // in flight while this one is quantized. blocks % 16 == 0 for 16x16 blocks,
   // so a half warp stays together.
   int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= args.blocks) return;

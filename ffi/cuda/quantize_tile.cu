@@ -39,7 +39,7 @@ constexpr int kTileCtasPerSm =
 //      16w + l / 2 and k-blocks 2s + l % 2 (s = 0, 1);
 //      column phase: lane l takes columns l and l + 32 of rows
 //      16w .. 16w + 15 (two 16-element column blocks);
-//      16x16 tiles reduce their amax with shuffles: over lanes of equal
+//      16x16 blocks reduce their amax with shuffles: over lanes of equal
 //      l % 2 for the rows, over 16 neighbouring lanes for the columns;
 //      the code and scale bytes go to shared memory;
 //   3. store: consecutive threads write consecutive 8-byte code groups and
@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
       } else {
 #pragma unroll 1  // one block at a time: fewer registers, more warps
         for (int s = 0; s < 2; ++s) {
-          // Tile column c = lane + 32s (16x16 tiles: 16 neighbouring lanes).
+          // Tile column c = lane + 32s (16x16 blocks: 16 neighbouring lanes).
           const int c = lane + 32 * s;
           float v[kBlock];
 #pragma unroll

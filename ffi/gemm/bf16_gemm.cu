@@ -2,9 +2,9 @@
 // (compute capability 8.0 to 9.x, e.g. Hopper), through cuBLASLt: FFI
 // target "jax_nvfp4_matmul_bf16".
 //
-// jax_nvfp4/backends/hopper.py decodes both operands to bfloat16 in XLA (e2m1 times
-// the E4M3 block scale has at most 6 significant bits: exact in bfloat16) and
-// hands them here with the amaxes. The alpha kernel (cublaslt.h) writes
+// jax_nvfp4/backends/hopper.py decodes both operands to bfloat16 in XLA (e2m1
+// times the E4M3 block scale has at most 6 significant bits: exact in bfloat16)
+// and hands them here with the amaxes. The alpha kernel (cublaslt.h) writes
 // alpha = (amax_a / 2688) * (amax_b / 2688) and beta = 0 to the head of the
 // workspace; then cublasLtMatmul computes, per the plan of bf16_gemm_plan.h,
 //   A = b, CUDA_R_16BF, k x n, lda = k, CUBLAS_OP_T

@@ -1,12 +1,13 @@
 // Native block-scaled FP4 GEMM on Blackwell (compute capability >= 10.0)
 // through cuBLASLt: FFI target "jax_nvfp4_matmul_fp4_sm100".
 //
-// The operands come prepared by jax_nvfp4/backends/blackwell.py (native_operands):
-// codes padded with zeros to the tiles of fp4_gemm_plan.h, block scales in
-// cuBLASLt's swizzled VEC16_UE4M3 layout (numerics/scale_layout.h), and the amaxes
-// (one per batch item, or one for all). The alpha kernel (cublaslt.h) writes
-// alpha = (amax_a / 2688) * (amax_b / 2688) of each item and beta = 0 to the
-// head of the workspace; then, per batch item, one cublasLtMatmul with
+// The operands come prepared by jax_nvfp4/backends/blackwell.py
+// (native_operands): codes padded with zeros to the tiles of fp4_gemm_plan.h,
+// block scales in cuBLASLt's swizzled VEC16_UE4M3 layout
+// (numerics/scale_layout.h), and the amaxes (one per batch item, or one for
+// all). The alpha kernel (cublaslt.h) writes alpha = (amax_a / 2688) * (amax_b
+// / 2688) of each item and beta = 0 to the head of the workspace; then, per
+// batch item, one cublasLtMatmul with
 //   A = b codes, CUDA_R_4F_E2M1, k x n, lda = k, CUBLAS_OP_T
 //   B = a codes, CUDA_R_4F_E2M1, k x m, ldb = k, CUBLAS_OP_N
 //   D = C = out^T, CUDA_R_16BF or CUDA_R_32F, n x m, ldd = n

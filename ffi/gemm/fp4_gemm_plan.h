@@ -1,7 +1,7 @@
 // Argument logic of the native Blackwell FP4 GEMM (fp4_gemm.cu), kept
 // free of CUDA and cuBLAS so that the extension can expose it to CPU tests
-// (module.cc: plan_fp4_gemm) next to jax_nvfp4/backends/blackwell.py, which prepares
-// the operands.
+// (module.cc: plan_fp4_gemm) next to jax_nvfp4/backends/blackwell.py, which
+// prepares the operands.
 //
 // The handler computes, for every batch item, the row-major product
 //   out[m, n] = alpha * sum_k e2m1(a[m, k]) s_a[m, k/16] e2m1(b[n, k]) s_b[n,
@@ -26,8 +26,8 @@ namespace jax_nvfp4 {
 
 // Row tile (M and N) and K tile the handler requires. 128 rows x 4 scale
 // columns (= 64 elements of K) is one tile of the VEC16_UE4M3 scale layout
-// (numerics/scale_layout.h), so every scale and code byte cuBLASLt reads is defined;
-// it also satisfies the 16-byte alignment of every leading dimension.
+// (numerics/scale_layout.h), so every scale and code byte cuBLASLt reads is
+// defined; it also satisfies the 16-byte alignment of every leading dimension.
 inline constexpr int64_t kFp4RowTile = 128;
 inline constexpr int64_t kFp4KTile = 64;
 // One call of the handler, as the plain numbers cuBLASLt is given. Strides are
