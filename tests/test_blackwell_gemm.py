@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from conftest import on_cpu
 
-from jax_nvfp4 import ops, reference
+from jax_nvfp4 import ops as primitives
+from jax_nvfp4 import reference
 from jax_nvfp4.backends import blackwell, library
 from jax_nvfp4.format import e2m1_decode_table
 
@@ -236,7 +237,7 @@ def test_handler_contract_matches_reference_and_cpu_handler(case):
     bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
     for name, fn in (
         ("reference", reference.matmul),
-        ("CPU handler", ops.matmul),
+        ("CPU handler", primitives.matmul),
     ):
         want = on_cpu(jax.jit(functools.partial(fn, dtype=jnp.float32)), *args)
         assert want.shape == exact.shape, name
@@ -263,7 +264,7 @@ def test_matmul_native_slices_the_handler_result(monkeypatch, dtype):
     got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*args)
     exact, (a, b, alpha) = _exact(*args)
     assert got.shape == exact.shape and got.dtype == dtype
-    want = on_cpu(ops.matmul, *args, dtype=jnp.float32)
+    want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)
     bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
     assert np.all(np.abs(np.asarray(want, np.float64) - exact) <= bound)
     if dtype == jnp.float32:
@@ -390,7 +391,7 @@ def test_native_gemm_on_blackwell_matches_cpu_handler(case, dtype):
     got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*on_gpu)
     exact, (a, b, alpha) = _exact(*args)
     bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
-    want = on_cpu(ops.matmul, *args, dtype=jnp.float32)
+    want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)
     assert np.all(np.abs(np.asarray(want, np.float64) - exact) <= bound)
     if dtype == jnp.float32:
         assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= bound)

@@ -11,8 +11,7 @@ import pytest
 from gemm_cases import CASES, fake_device, random_operands
 
 from jax_nvfp4 import ops, reference
-from jax_nvfp4.backends import blackwell, devices, hopper, library
-from jax_nvfp4.ops import matmul as ops_matmul
+from jax_nvfp4.backends import blackwell, devices, gemm, hopper, library
 
 BOTH = {"cuda": frozenset({hopper.TARGET, blackwell.TARGET})}
 
@@ -23,7 +22,7 @@ BOTH = {"cuda": frozenset({hopper.TARGET, blackwell.TARGET})}
 def test_gemm_path_by_capability_registration_and_switch(monkeypatch):
     registered = dict(BOTH)
     monkeypatch.setattr(library, "registered_targets", lambda: registered)
-    path = ops_matmul.gemm_path
+    path = gemm.gemm_path
     assert path([fake_device("gpu", "10.0")]) == "native_fp4"
     assert path([fake_device("gpu", "12.0")]) == "native_fp4"
     assert path([fake_device("gpu", "9.0")]) == "cublaslt_bf16"
@@ -65,9 +64,9 @@ def test_gemm_path_by_capability_registration_and_switch(monkeypatch):
 def test_gemm_path_defaults_to_the_cuda_backend(monkeypatch):
     monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
     monkeypatch.setattr(devices, "cuda_devices", lambda: ())
-    assert ops_matmul.gemm_path() == "xla_bf16"
+    assert gemm.gemm_path() == "xla_bf16"
     monkeypatch.setattr(devices, "cuda_devices", lambda: (fake_device("gpu", "9.0"),))
-    assert ops_matmul.gemm_path() == "cublaslt_bf16"
+    assert gemm.gemm_path() == "cublaslt_bf16"
     assert hopper.cublaslt_gemm_supported()
 
 
@@ -85,7 +84,7 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
 
         return fn
 
-    monkeypatch.setattr(ops_matmul, "gemm_path", lambda: path)
+    monkeypatch.setattr(gemm, "gemm_path", lambda: path)
     monkeypatch.setattr(blackwell, "matmul_native", fake("native_fp4"))
     monkeypatch.setattr(hopper, "matmul_bf16", fake("cublaslt_bf16"))
     monkeypatch.setattr(reference, "matmul_dequantize_bf16", fake("xla_bf16"))
@@ -93,7 +92,7 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
     args = [np.zeros(1, np.uint8)] * 6
     if decoded:  # b's codes hold its bfloat16 values
         args[3] = np.zeros(2, jnp.bfloat16)
-    assert ops_matmul.matmul_cuda(*args, dtype=jnp.float32) == chosen
+    assert gemm.matmul_cuda(*args, dtype=jnp.float32) == chosen
     cuda = library.registered_targets().get("cuda", frozenset())
     options = {
         "native_fp4": {},
@@ -106,7 +105,7 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
 def test_matmul_cuda_without_a_gpu_is_xla_bf16_gemm(monkeypatch):
     monkeypatch.setattr(devices, "cuda_devices", lambda: ())
     args = random_operands(1, *CASES[3])
-    got = jax.jit(functools.partial(ops_matmul.matmul_cuda, dtype=jnp.float32))(*args)
+    got = jax.jit(functools.partial(gemm.matmul_cuda, dtype=jnp.float32))(*args)
     want = jax.jit(
         functools.partial(reference.matmul_dequantize_bf16, dtype=jnp.float32)
     )(*args)

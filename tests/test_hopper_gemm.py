@@ -32,8 +32,7 @@ from gemm_cases import (
 )
 
 from jax_nvfp4 import ops
-from jax_nvfp4.backends import hopper, library
-from jax_nvfp4.ops import matmul as ops_matmul
+from jax_nvfp4.backends import gemm, hopper, library
 
 # --- the operands handed to the handler ------------------------------------------
 
@@ -296,7 +295,7 @@ def test_handler_matches_cpu_handler(case, dtype):
 @pytest.mark.gpu
 def test_primitive_lowers_to_the_handler_on_gpu(monkeypatch):
     gpu = _bf16_gemm_gpu()
-    if ops_matmul.gemm_path([gpu]) != "cublaslt_bf16":
+    if gemm.gemm_path([gpu]) != "cublaslt_bf16":
         pytest.skip("this GPU uses another GEMM (e.g. native FP4)")
     args = [jax.device_put(x, gpu) for x in random_operands(8, *CASES[4])]
 
@@ -415,7 +414,7 @@ print(json.dumps({{"replay_equal": results, "phase1": phase1,
 @pytest.mark.gpu
 def test_handler_runs_inside_cuda_graph_capture():
     gpu = _bf16_gemm_gpu()
-    if ops_matmul.gemm_path([gpu]) != "cublaslt_bf16":
+    if gemm.gemm_path([gpu]) != "cublaslt_bf16":
         pytest.skip("this GPU uses another GEMM (e.g. native FP4)")
     env = dict(os.environ)
     env.pop("JAX_NVFP4_GEMM_GRAPHS", None)

@@ -4,9 +4,11 @@
 and ``sharding`` helpers. ``jax_nvfp4.reference`` has functions of the same
 names and signatures (the pure-JAX twins)."""
 
+from jax_nvfp4.backends.gemm import gemm_path
+from jax_nvfp4.backends.gemm import takes_values as gemm_takes_values
 from jax_nvfp4.ops.amax import amax, amax_p
 from jax_nvfp4.ops.dequantize import dequantize, dequantize_p
-from jax_nvfp4.ops.matmul import gemm_path, gemm_takes_values, matmul, matmul_p
+from jax_nvfp4.ops.matmul import matmul, matmul_p
 from jax_nvfp4.ops.quantize import (
     Place,
     QuantizeSpec,
