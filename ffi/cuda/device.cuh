@@ -1,5 +1,10 @@
 // Device helpers shared by the CUDA kernels (ffi/cuda/*.cu): the CTA size,
-// the input element types and their loads, and integer division.
+// the input element types and their loads, and integer division. The
+// kernels compute the bytes of the CPU handlers (ffi/cpu) with the arithmetic
+// of numerics/nvfp4.h and numerics/fast.cuh; CMakeLists.txt builds them with
+// --fmad=false and without fast-math, so that every float operation rounds
+// as written (IEEE division, no FMA contraction), and with -ftz=true, the
+// subnormal flushing of numerics/nvfp4.h.
 #ifndef JAX_NVFP4_FFI_CUDA_DEVICE_CUH_
 #define JAX_NVFP4_FFI_CUDA_DEVICE_CUH_
 
