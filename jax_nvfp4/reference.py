@@ -57,7 +57,7 @@ def abs_max(x: jax.Array) -> jax.Array:
     """max |x| over all elements, NaN ignored (fmaxf semantics), float32.
 
     Float32 subnormals count as zero, as in all of this package's arithmetic
-    (flushed; ``ffi/nvfp4_numerics.h``): XLA flushes them on CPU, and the
+    (flushed; ``ffi/numerics/nvfp4.h``): XLA flushes them on CPU, and the
     explicit test makes the amax the same where XLA keeps them (GPU)."""
     a = jnp.abs(x.astype(jnp.float32))
     ignored = jnp.isnan(a) | (a < _F32(np.finfo(np.float32).tiny))

@@ -277,7 +277,7 @@ def _flush_subnormals(x):
 @pytest.mark.parametrize("block", ["1x16", "16x16"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_subnormal_inputs_quantize_as_signed_zeros(scale, block, rounding):
-    """The documented behaviour (nvfp4_numerics.h): float32 subnormals -- here
+    """The documented behaviour (ffi/numerics/nvfp4.h): float32 subnormals -- here
     bfloat16 subnormals of both signs, in blocks of their own and next to
     normal values -- are flushed to zero with their sign, on every backend:
     the fused quantize (rows; columns with RHT) of x equals that of x with

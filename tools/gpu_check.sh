@@ -92,15 +92,9 @@ if [ "$build" = 1 ]; then
 fi
 # -P and another directory: the installed package, not ./jax_nvfp4.
 (cd / && python3 -P -c "
-import importlib
 import jax_nvfp4 as nv
-path = '?'
-for module in ('jax_nvfp4.ops.matmul', 'jax_nvfp4.backends.devices'):
-    try:
-        path = importlib.import_module(module).gemm_path()
-        break
-    except (ImportError, AttributeError):
-        pass
+from jax_nvfp4.backends.gemm import gemm_path
+path = gemm_path()
 print('installed:', nv.__file__, '| handlers on', sorted(nv.available_platforms()), '| GEMM path:', path)
 ") 2>&1 | tee -a "$summary"
 
