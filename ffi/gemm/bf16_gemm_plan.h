@@ -33,6 +33,33 @@ inline int64_t GemmWorkspaceHeadBytes(int64_t batch) {
   return (static_cast<int64_t>(sizeof(float)) * (1 + batch) + 255) / 256 * 256;
 }
 
+// The checks both GEMM plans share, once a's batch, b's batch, M and N are
+// known: amaxes of 1 value or one per item, out [batch, M, N], and a
+// workspace with room for its head. Empty when they hold.
+inline std::string CheckGemmAmaxOutWorkspace(
+    int64_t batch, int64_t b_batch, int64_t m, int64_t n,
+    const std::vector<int64_t>& a_amax, const std::vector<int64_t>& b_amax,
+    const std::vector<int64_t>& out, const std::vector<int64_t>& workspace) {
+  if ((a_amax[0] != 1 && a_amax[0] != batch) ||
+      (b_amax[0] != 1 && b_amax[0] != b_batch)) {
+    return "each amax must have 1 value or one per item of its operand's "
+           "batch (a: " +
+           std::to_string(batch) + ", b: " + std::to_string(b_batch) +
+           "), got " + std::to_string(a_amax[0]) + " and " +
+           std::to_string(b_amax[0]);
+  }
+  if (out[0] != batch || out[1] != m || out[2] != n) {
+    return "out must be [batch, M, N] = [" + std::to_string(batch) + ", " +
+           std::to_string(m) + ", " + std::to_string(n) + "]";
+  }
+  const int64_t head = GemmWorkspaceHeadBytes(batch);
+  if (workspace[0] < head) {
+    return "the workspace must have at least " + std::to_string(head) +
+           " bytes (beta and one alpha per batch item)";
+  }
+  return "";
+}
+
 // One call of the bf16 GEMM handler, as the numbers cuBLASLt is given. Item
 // strides are in elements; a stride of 0 means the operand is shared by every
 // batch item.
@@ -92,23 +119,12 @@ inline std::string PlanBf16Gemm(const std::vector<int64_t>& a,
     return "b's batch must be 1 or a's (" + std::to_string(batch) + "), got " +
            std::to_string(b_batch);
   }
-  if ((a_amax[0] != 1 && a_amax[0] != batch) ||
-      (b_amax[0] != 1 && b_amax[0] != b_batch)) {
-    return "each amax must have 1 value or one per item of its operand's "
-           "batch (a: " +
-           std::to_string(batch) + ", b: " + std::to_string(b_batch) +
-           "), got " + std::to_string(a_amax[0]) + " and " +
-           std::to_string(b_amax[0]);
-  }
-  if (out[0] != batch || out[1] != m || out[2] != n) {
-    return "out must be [batch, M, N] = [" + std::to_string(batch) + ", " +
-           std::to_string(m) + ", " + std::to_string(n) + "]";
+  if (std::string e = CheckGemmAmaxOutWorkspace(batch, b_batch, m, n, a_amax,
+                                                b_amax, out, workspace);
+      !e.empty()) {
+    return e;
   }
   const int64_t head = GemmWorkspaceHeadBytes(batch);
-  if (workspace[0] < head) {
-    return "the workspace must have at least " + std::to_string(head) +
-           " bytes (beta and one alpha per batch item)";
-  }
   const bool shared_b = b_batch == 1;
   const bool one_alpha = a_amax[0] == 1 && b_amax[0] == 1;
   plan->batch = batch;

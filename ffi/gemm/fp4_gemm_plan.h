@@ -97,23 +97,12 @@ inline std::string PlanFp4Gemm(
            "(the swizzled block scales of the padded operands)" +
            fix;
   }
-  if ((a_amax[0] != 1 && a_amax[0] != batch) ||
-      (b_amax[0] != 1 && b_amax[0] != b_batch)) {
-    return "each amax must have 1 value or one per item of its operand's "
-           "batch (a: " +
-           std::to_string(batch) + ", b: " + std::to_string(b_batch) +
-           "), got " + std::to_string(a_amax[0]) + " and " +
-           std::to_string(b_amax[0]);
-  }
-  if (out[0] != batch || out[1] != m || out[2] != n) {
-    return "out must be [batch, M, N] = [" + std::to_string(batch) + ", " +
-           std::to_string(m) + ", " + std::to_string(n) + "]";
+  if (std::string e = CheckGemmAmaxOutWorkspace(batch, b_batch, m, n, a_amax,
+                                                b_amax, out, workspace);
+      !e.empty()) {
+    return e;
   }
   const int64_t head = GemmWorkspaceHeadBytes(batch);
-  if (workspace[0] < head) {
-    return "the workspace must have at least " + std::to_string(head) +
-           " bytes (beta and one alpha per batch item)";
-  }
   plan->batch = batch;
   plan->m = m;
   plan->n = n;
