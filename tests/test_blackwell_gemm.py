@@ -11,15 +11,14 @@ import types
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from conftest import on_cpu
+from gemm_cases import alpha64, decode64, random_operands
 
 from jax_nvfp4 import ops as primitives
 from jax_nvfp4 import reference
 from jax_nvfp4.backends import blackwell, library
-from jax_nvfp4.format import e2m1_decode_table
 
 # (batch, M, N, K, b batch, per-item a amax, per-item b amax); M, N, K are odd
 # multiples of 16, so every operand is padded.
@@ -29,23 +28,6 @@ CASES = [
     (2, 144, 16, 208, 2, True, True),
     (2, 16, 272, 48, 2, False, True),
 ]
-
-
-def _operands(seed, batch, m, n, k, b_batch, a_per_item, b_per_item):
-    """Random codes, non-negative E4M3 scale bytes (0x00-0x7E) and amaxes."""
-    rng = np.random.default_rng(seed)
-
-    def side(items, rows, per_item):
-        codes = rng.integers(0, 256, (items, rows, k // 2), dtype=np.uint8)
-        scales = rng.integers(0, 0x7F, (items, rows, k // 16), dtype=np.uint8)
-        amax = rng.uniform(0.5, 40.0, items if per_item else 1).astype(np.float32)
-        return (
-            jnp.asarray(codes),
-            jnp.asarray(scales).view(jnp.float8_e4m3fn),
-            jnp.asarray(amax),
-        )
-
-    return (*side(batch, m, a_per_item), *side(b_batch, n, b_per_item))
 
 
 @jax.jit
@@ -69,27 +51,6 @@ def _unswizzle(flat, rows, cols):
     return np.asarray(flat)[tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4]
 
 
-def _decode(codes, scale_bytes):
-    """e2m1(code) * s_block in float64: codes [.., rows, K/2], scales
-    [.., rows, K/16] (bytes) -> [.., rows, K]."""
-    codes = np.asarray(codes)
-    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(
-        *codes.shape[:-1], -1
-    )
-    values = e2m1_decode_table().astype(np.float64)[nibbles]
-    scales = np.asarray(scale_bytes).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    return values * np.repeat(scales, 16, axis=-1)
-
-
-def _alpha(a_amax, b_amax, batch):
-    """alpha per batch item as the handlers compute it: float32 IEEE division
-    (numpy's), in the spec's order, broadcast over the batch."""
-    r = np.float32(2688.0)
-    a = np.broadcast_to(np.asarray(a_amax, np.float32).reshape(-1), (batch,))
-    b = np.broadcast_to(np.asarray(b_amax, np.float32).reshape(-1), (batch,))
-    return ((a / r) * (b / r)).astype(np.float64)
-
-
 def _emulate_handler(ops: blackwell.NativeOperands):
     """What jax_nvfp4_matmul_fp4_sm100 computes, from exactly its operands, in
     float64 (exact products of <= 12-bit significands): [batch, Mp, Np]."""
@@ -98,19 +59,19 @@ def _emulate_handler(ops: blackwell.NativeOperands):
     kp = 2 * half
     a_scales = np.stack([_unswizzle(s, mp, kp // 16) for s in ops.a_scales])
     b_scales = np.stack([_unswizzle(s, np_, kp // 16) for s in ops.b_scales])
-    a = _decode(ops.a_codes, a_scales)
-    b = np.broadcast_to(_decode(ops.b_codes, b_scales), (batch, np_, kp))
-    alpha = _alpha(ops.a_amax, ops.b_amax, batch)
+    a = decode64(ops.a_codes, a_scales)
+    b = np.broadcast_to(decode64(ops.b_codes, b_scales), (batch, np_, kp))
+    alpha = alpha64(ops.a_amax, ops.b_amax, batch)
     acc = np.einsum("bmk,bnk->bmn", a, b)
     return acc * alpha[:, None, None]
 
 
 def _exact(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax):
     """The spec in float64 on the unpadded operands (alpha as float32)."""
-    a = _decode(a_codes, np.asarray(a_scales).view(np.uint8))
-    b = _decode(b_codes, np.asarray(b_scales).view(np.uint8))
+    a = decode64(a_codes, np.asarray(a_scales).view(np.uint8))
+    b = decode64(b_codes, np.asarray(b_scales).view(np.uint8))
     b = np.broadcast_to(b, (a.shape[0], *b.shape[1:]))
-    alpha = _alpha(a_amax, b_amax, a.shape[0])
+    alpha = alpha64(a_amax, b_amax, a.shape[0])
     return np.einsum("bmk,bnk->bmn", a, b) * alpha.reshape(-1, 1, 1), (a, b, alpha)
 
 
@@ -125,7 +86,7 @@ def _float32_bound(a, b, alpha):
 @pytest.mark.parametrize("case", CASES)
 def test_operands_are_padded_and_swizzled(case):
     batch, m, n, k, b_batch = case[:5]
-    args = _operands(1, *case)
+    args = random_operands(1, *case)
     ops = _prepare(args)
     mp, np_, kp = (-(-v // t) * t for v, t in ((m, 128), (n, 128), (k, 64)))
     assert (ops.m, ops.n) == (m, n)
@@ -167,7 +128,7 @@ def _extension():
 def test_handler_accepts_the_prepared_operands(case):
     """The C++ checks of the handler (ffi/fp4_gemm_plan.h) on the operands and
     result shapes that matmul_native hands it."""
-    ops = _prepare(_operands(2, *case))
+    ops = _prepare(random_operands(2, *case))
     batch, mp, half = ops.a_codes.shape
     np_ = ops.b_codes.shape[1]
     shapes = {name: list(getattr(ops, name).shape) for name in ops._fields[:6]}
@@ -228,7 +189,7 @@ def test_handler_rejects_inconsistent_shapes(change, message):
 
 @pytest.mark.parametrize("case", CASES)
 def test_handler_contract_matches_reference_and_cpu_handler(case):
-    args = _operands(3, *case)
+    args = random_operands(3, *case)
     ops = _prepare(args)
     got = _emulate_handler(ops)[:, : ops.m, : ops.n]
     exact, (a, b, alpha) = _exact(*args)
@@ -260,7 +221,7 @@ def test_matmul_native_slices_the_handler_result(monkeypatch, dtype):
         )
 
     monkeypatch.setattr(blackwell, "_call_handler", fake_handler)
-    args = _operands(4, *CASES[2])
+    args = random_operands(4, *CASES[2])
     got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*args)
     exact, (a, b, alpha) = _exact(*args)
     assert got.shape == exact.shape and got.dtype == dtype
@@ -274,7 +235,7 @@ def test_matmul_native_slices_the_handler_result(monkeypatch, dtype):
 
 
 def test_lowers_to_the_custom_call_with_padded_operands():
-    args = _operands(5, *CASES[1])  # batch 3, M=48, N=80, K=112, shared b
+    args = random_operands(5, *CASES[1])  # batch 3, M=48, N=80, K=112, shared b
     text = (
         jax.jit(functools.partial(blackwell.matmul_native, dtype=jnp.bfloat16))
         .lower(*args)
@@ -291,7 +252,7 @@ def test_lowers_to_the_custom_call_with_padded_operands():
 
 
 def test_empty_problems_skip_the_handler():
-    args = _operands(6, 2, 16, 16, 16, 1, False, False)
+    args = random_operands(6, 2, 16, 16, 16, 1, False, False)
     empty_m = (args[0][:, :0], args[1][:, :0], *args[2:])
     out = blackwell.matmul_native(*empty_m, dtype=jnp.float32)
     assert out.shape == (2, 0, 16)
@@ -303,7 +264,7 @@ def test_empty_problems_skip_the_handler():
 
 
 def test_operand_errors_say_what_to_change():
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = _operands(
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = random_operands(
         7, 2, 16, 16, 32, 2, True, True
     )
     with pytest.raises(ValueError, match="both must be the same multiple of 16"):
@@ -386,7 +347,7 @@ def test_native_gemm_on_blackwell_matches_cpu_handler(case, dtype):
     gpu = _blackwell_gpu()
     if gpu is None:
         pytest.skip("needs a GPU of compute capability >= 10.0 with the handler built")
-    args = _operands(9, *case)
+    args = random_operands(9, *case)
     on_gpu = [jax.device_put(x, gpu) for x in args]
     got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*on_gpu)
     exact, (a, b, alpha) = _exact(*args)
@@ -419,7 +380,7 @@ def test_handler_on_an_older_gpu_fails_cleanly():
     gpu = _pre_blackwell_gpu_with_handler()
     if gpu is None:
         pytest.skip("needs a GPU of compute capability < 10.0 with the handler built")
-    args = [jax.device_put(x, gpu) for x in _operands(10, *CASES[1])]
+    args = [jax.device_put(x, gpu) for x in random_operands(10, *CASES[1])]
     with pytest.raises(jax.errors.JaxRuntimeError, match="compute capability 10.0"):
         jax.block_until_ready(
             jax.jit(functools.partial(blackwell.matmul_native, dtype=jnp.bfloat16))(
