@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_nvfp4.policy import Policy, path_string
-from jax_nvfp4.recipe import NVFP4, Recipe, dot
+from jax_nvfp4.recipe import NVFP4, Recipe, dot_general
 
 __all__ = ["Linear", "convert", "linear_paths", "plan"]
 
@@ -90,13 +90,20 @@ def _mapped_by_innermost_vmap(*operands: Any) -> bool:
 
 
 def _plain_dot(recipe: Recipe, x: jax.Array, w: jax.Array, kd: jax.Array):
-    return dot(x, w, key=kd if recipe.needs_key else None, recipe=recipe)
+    """x [..., K] . w [N, K]^T: the weight read as stored (no transpose)."""
+    return dot_general(
+        x,
+        w,
+        (((x.ndim - 1,), (1,)), ((), ())),
+        key=kd if recipe.needs_key else None,
+        recipe=recipe,
+    )
 
 
 def _folded_dot(recipe: Recipe, x: jax.Array, w: jax.Array, kd: jax.Array):
     """``dot(x, w)`` with every enclosing ``vmap`` folded into x's token axis.
 
-    x [..., K], w [K, N] (same dtype), kd uint32[2] key words.
+    x [..., K], w [N, K] (same dtype), kd uint32[2] key words.
     """
     if _mapped_by_innermost_vmap(x, w, kd):
         return _folding_call(recipe)(x, w, kd)
@@ -266,7 +273,7 @@ class Linear(eqx.Module):
             )
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"x must be floating point, got {x.dtype}")
-        w = self.weight.T.astype(x.dtype)  # dot's w is [in, out]
+        w = self.weight.astype(x.dtype)
         kd = _key_words(key, self.recipe, self.inference)
         y = _folded_dot(self.recipe, x, w, kd)
         if self.bias is not None:

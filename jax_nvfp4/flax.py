@@ -35,9 +35,6 @@ usual (``promote_dtype``); keep fp32 master weights (``param_dtype``) and set
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
 import warnings
 from typing import Any
 
@@ -71,73 +68,6 @@ def _missing_key_message(rng_collection: str) -> str:
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _forward_only_dot_general(
-    lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe, stream
-):
-    # The forward pass never reads the key: run it with stochastic rounding
-    # off, which gives the same output bits (and the same shape checks).
-    return _recipe.dot_general(
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision,
-        preferred_element_type,
-        recipe=dataclasses.replace(recipe, stochastic_rounding=False),
-    )
-
-
-def _forward_only_fwd(lhs, rhs, *static):
-    return _forward_only_dot_general(lhs, rhs, *static), None
-
-
-def _forward_only_bwd(dimension_numbers, precision, dtype, recipe, stream, res, dy):
-    raise ValueError(_missing_key_message(stream))
-
-
-_forward_only_dot_general.defvjp(_forward_only_fwd, _forward_only_bwd)
-
-
-def _dense_form(
-    lhs: jax.Array, rhs: jax.Array, dimension_numbers
-) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
-    """(lhs [..., K], rhs [K, N], rhs's free shape) for a dense-layer contraction.
-
-    Dense layers contract lhs's trailing axes with rhs's leading axes, in
-    order, with no batch axes (``nn.Dense``, ``nn.DenseGeneral`` /
-    ``nnx.LinearGeneral`` without batch_dims). Several contracted axes fold
-    into one K and several feature axes into one N, so lax.dot_general's
-    output [lhs free..., rhs free...] is the [..., N] product reshaped.
-    """
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    lhs_contract = tuple(int(d) % lhs.ndim for d in lhs_contract)
-    rhs_contract = tuple(int(d) % rhs.ndim for d in rhs_contract)
-    n = len(lhs_contract)
-    if (
-        tuple(lhs_batch)
-        or tuple(rhs_batch)
-        or n == 0
-        or n == rhs.ndim
-        or lhs_contract != tuple(range(lhs.ndim - n, lhs.ndim))
-        or rhs_contract != tuple(range(n))
-    ):
-        raise NotImplementedError(
-            "NVFP4 dense layers contract lhs's last axes with rhs's first axes "
-            "(in order, no batch dimensions, at least one feature axis); got "
-            f"dimension_numbers={dimension_numbers} for shapes {lhs.shape} and "
-            f"{rhs.shape}. Keep this layer out of NVFP4 (a policy rule "
-            "(path, None)) or use jax_nvfp4.dot directly."
-        )
-    if lhs.shape[lhs.ndim - n :] != rhs.shape[:n]:
-        raise ValueError(
-            f"contracted axes differ: lhs {lhs.shape} vs rhs {rhs.shape} over {n} axes"
-        )
-    k = math.prod(rhs.shape[:n])
-    features = rhs.shape[n:]
-    lhs2 = lhs.reshape(*lhs.shape[: lhs.ndim - n], k)
-    return lhs2, rhs.reshape(k, math.prod(features)), features
-
-
 def _dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -150,36 +80,21 @@ def _dot_general(
     key: jax.Array | None,
     rng_collection: str,
 ) -> jax.Array:
-    """``jax_nvfp4.dot_general`` for any dense-layer contraction; without a
-    key where the recipe needs one, a forward-only product."""
-    lhs2, rhs2, features = _dense_form(lhs, rhs, dimension_numbers)
-    numbers = (((lhs2.ndim - 1,), (0,)), ((), ()))
+    """``jax_nvfp4.dot_general``; without a key where the recipe needs one, a
+    forward-only product whose gradient says how to give the layer a key."""
     if preferred_element_type is not None:
         preferred_element_type = jnp.dtype(preferred_element_type)
-    if key is not None or not recipe.needs_key:
-        out = _recipe.dot_general(
-            lhs2,
-            rhs2,
-            numbers,
-            precision,
-            preferred_element_type,
-            recipe=recipe,
-            key=key,
-        )
-    else:
-        out = _forward_only_dot_general(
-            lhs2,
-            rhs2,
-            numbers,
-            precision,
-            preferred_element_type,
-            recipe,
-            rng_collection,
-        )
-    out = out.reshape(*out.shape[:-1], *features)
-    if out_sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
-    return out
+    return _recipe.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision,
+        preferred_element_type,
+        recipe=recipe,
+        key=key,
+        out_sharding=out_sharding,
+        _missing_key_message=_missing_key_message(rng_collection),
+    )
 
 
 def _check_recipe(recipe: Any) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -186,20 +187,28 @@ def _quantize_tokens(
     return along_f, along_t
 
 
-def _quantize_w(w, recipe: Recipe):
-    """w [K, N]: (along K for FPROP, along N for DGRAD), same values if 2D."""
+def _quantize_w(w, recipe: Recipe, nk: bool):
+    """w [K, N] (or, ``nk``, [N, K]): (along K for FPROP, along N for DGRAD),
+    the same values if 2D. Either orientation is read as stored: along its
+    last axis row-wise, along its first column-wise; the stored results are
+    the same bytes for w and w.T."""
     block = "16x16" if recipe.weight_2d else "1x16"
     impl = recipe.implementation
+    k_axis, n_axis = (1, 0) if nk else (0, 1)
     if recipe.fprop and recipe.dgrad:
         # (Along K feeds FPROP only, but stays codes: under FSDP-sharded jit
         # the partitioner gathers it, and codes move 4x fewer bytes than a
         # bf16 operand.)
-        along_n, along_k = quantize_rowwise_and_columnwise(
+        rows, cols = quantize_rowwise_and_columnwise(
             w, row_block=block, col_block=block, implementation=impl
         )
-        return along_k, along_n
-    along_k = quantize(w, 0, block=block, implementation=impl) if recipe.fprop else None
-    along_n = quantize(w, 1, block=block, implementation=impl) if recipe.dgrad else None
+        return (rows, cols) if nk else (cols, rows)
+    along_k = (
+        quantize(w, k_axis, block=block, implementation=impl) if recipe.fprop else None
+    )
+    along_n = (
+        quantize(w, n_axis, block=block, implementation=impl) if recipe.dgrad else None
+    )
     return along_k, along_n
 
 
@@ -218,7 +227,7 @@ def _explicit_sharding(a):
     return mesh, tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
 
 
-def _explicit_specs(x2, w):
+def _explicit_specs(x2, w, nk):
     """Shardings of (x2, w, out) under Explicit mesh axes, else None: the
     bf16 fallback GEMMs must name their output sharding there when they
     contract a sharded dimension (JAX's ShardingTypeError otherwise)."""
@@ -228,17 +237,19 @@ def _explicit_specs(x2, w):
     mesh = (xs or ws)[0]
     xspec = xs[1] if xs else (None, None)
     wspec = ws[1] if ws else (None, None)
-    return tuple(
-        NamedSharding(mesh, P(*spec)) for spec in (xspec, wspec, (xspec[0], wspec[1]))
-    )
+    out = (xspec[0], wspec[0] if nk else wspec[1])
+    return tuple(NamedSharding(mesh, P(*spec)) for spec in (xspec, wspec, out))
 
 
-def _bf16_dot(a, b, out_spec, preferred_element_type=None):
-    """jnp.dot for the GEMMs kept in high precision."""
+def _bf16_dot(a, b, out_spec, preferred_element_type=None, *, a_t=False, b_t=False):
+    """a . b (a_t: a transposed; b_t: b transposed) for the GEMMs kept in
+    high precision; the transposes are the dot's contracting dims, not
+    passes over memory."""
     kwargs = {} if out_spec is None else {"out_sharding": out_spec}
     if preferred_element_type is not None:
         kwargs["preferred_element_type"] = preferred_element_type
-    return jnp.dot(a, b, **kwargs)
+    dims = (((0 if a_t else 1,), (1 if b_t else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, **kwargs)
 
 
 def _gemm_dtype(dtype):
@@ -255,13 +266,14 @@ def _dot2(x2, w, words, recipe, static):
 
 
 def _dot2_fwd(x2, w, words, recipe, static):
-    """static: (input dtype, output dtype, axis_name, explicit specs)."""
-    _, out_dtype, axis_name, specs = static
+    """static: (input dtype, output dtype, axis_name, explicit specs, nk: w
+    is [N, K])."""
+    _, out_dtype, axis_name, specs, nk = static
     tokens = x2.shape[0]
     x_rows, x_cols = _quantize_tokens(
         x2, recipe, rows=recipe.fprop, cols=recipe.wgrad, axis_name=axis_name
     )
-    w_along_k, w_along_n = _quantize_w(w, recipe)
+    w_along_k, w_along_n = _quantize_w(w, recipe, nk)
     if recipe.fprop:
         out = matmul(x_rows, w_along_k, out_dtype=_gemm_dtype(out_dtype))
         out = out[:tokens].astype(out_dtype)
@@ -271,6 +283,7 @@ def _dot2_fwd(x2, w, words, recipe, static):
             w,
             specs and specs[2],
             None if out_dtype == x2.dtype else out_dtype,
+            b_t=nk,
         )
     residuals = (
         x_cols if recipe.wgrad else x2,
@@ -281,7 +294,7 @@ def _dot2_fwd(x2, w, words, recipe, static):
 
 
 def _dot2_bwd(recipe, static, residuals, dy):
-    in_dtype, _, axis_name, specs = static
+    in_dtype, _, axis_name, specs, nk = static
     x_saved, w_saved, words = residuals
     tokens = dy.shape[0]
     dy_rows, dy_cols = _quantize_tokens(
@@ -297,15 +310,94 @@ def _dot2_bwd(recipe, static, residuals, dy):
     if recipe.dgrad:
         dx = matmul(dy_rows, w_saved, out_dtype=_gemm_dtype(in_dtype))[:tokens]
     else:
-        dx = _bf16_dot(dy.astype(w_saved.dtype), w_saved.T, specs and specs[0])
-    if recipe.wgrad:
-        dw = matmul(x_saved, dy_cols, out_dtype=_gemm_dtype(in_dtype))
+        dx = _bf16_dot(
+            dy.astype(w_saved.dtype), w_saved, specs and specs[0], b_t=not nk
+        )
+    dw_dtype = _gemm_dtype(in_dtype)
+    if recipe.wgrad and nk:  # dW [N, K] directly: the operands swapped
+        dw = matmul(dy_cols, x_saved, out_dtype=dw_dtype)
+    elif recipe.wgrad:
+        dw = matmul(x_saved, dy_cols, out_dtype=dw_dtype)
+    elif nk:
+        dw = _bf16_dot(dy.astype(x_saved.dtype), x_saved, specs and specs[1], a_t=True)
     else:
-        dw = _bf16_dot(x_saved.T, dy.astype(x_saved.dtype), specs and specs[1])
+        dw = _bf16_dot(x_saved, dy.astype(x_saved.dtype), specs and specs[1], a_t=True)
     return dx.astype(in_dtype), dw.astype(in_dtype), None
 
 
 _dot2.defvjp(_dot2_fwd, _dot2_bwd)
+
+
+def _check_operands(x2, w2, nk, recipe):
+    if x2.dtype != w2.dtype:
+        raise TypeError(
+            f"x is {x2.dtype} and w is {w2.dtype}; cast both to one dtype "
+            "(e.g. w.astype(x.dtype))"
+        )
+    n, k = w2.shape if nk else w2.shape[::-1]
+    if (recipe.fprop or recipe.dgrad or recipe.wgrad) and (k % 16 or n % 16):
+        raise ValueError(
+            f"the weight is K={k} by N={n} (contracted by free sizes); NVFP4 "
+            "GEMMs need K and N multiples of 16 — pad the layer or keep it in "
+            "bf16 (recipe=jax_nvfp4.BF16)"
+        )
+
+
+MISSING_KEY_MESSAGE = (
+    "this NVFP4 product was differentiated without a key: the recipe rounds "
+    "dY stochastically in the backward pass. Pass key=jax.random.key(...) "
+    "(a new key each step), or use a recipe without stochastic rounding "
+    "(jax_nvfp4.NVFP4_NO_SR)."
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _forward_only(x2, w2, recipe, static, message):
+    """The recipe's forward pass, which never reads the key (stochastic
+    rounding is for dY only: the same output bits without it); its backward
+    raises ``message``."""
+    words = key_words(None, False, 0)
+    return _dot2(
+        x2, w2, words, dataclasses.replace(recipe, stochastic_rounding=False), static
+    )
+
+
+def _forward_only_fwd(x2, w2, recipe, static, message):
+    return _forward_only(x2, w2, recipe, static, message), None
+
+
+def _forward_only_bwd(recipe, static, message, residuals, dy):
+    raise ValueError(message)
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
+def _dot2d(
+    x2,
+    w2,
+    nk,
+    *,
+    key,
+    recipe,
+    preferred_element_type,
+    axis_name,
+    missing_key_message=MISSING_KEY_MESSAGE,
+):
+    """x2 [T, K] . w2 ([K, N], or [N, K] if ``nk``) -> [T, N] by the recipe.
+    Without a key where the recipe needs one, the forward pass runs and
+    differentiating it raises ``missing_key_message``."""
+    _check_operands(x2, w2, nk, recipe)
+    static = (
+        jnp.dtype(x2.dtype),
+        jnp.dtype(preferred_element_type or x2.dtype),
+        tuple(_axis_names(axis_name)) or None,
+        _explicit_specs(x2, w2, nk),
+        nk,
+    )
+    if recipe.needs_key and key is None:
+        return _forward_only(x2, w2, recipe, static, missing_key_message)
+    return _dot2(x2, w2, key_words(key, recipe.needs_key, 0), recipe, static)
 
 
 def dot(
@@ -321,11 +413,11 @@ def dot(
 
     Args:
       x: [..., K] activations (bfloat16, float16 or float32).
-      w: [K, N] weight, the same dtype as x (cast master weights first).
+      w: [K, N] weight, the same dtype as x (cast master weights first). For
+        other weight shapes and orientations (e.g. [N, K]) use ``dot_general``.
       key: PRNG key for stochastic rounding of dY in the backward pass; pass a
         new key each step (required when ``recipe.stochastic_rounding``).
       recipe: a ``Recipe``; presets NVFP4, NVFP4_NO_RHT, NVFP4_NO_SR, BF16.
-
       preferred_element_type: output dtype (default: x's dtype).
       axis_name: inside ``shard_map``, the mesh axis (or axes, major first)
         over which x's tokens (its leading axes, flattened) are sharded, in
@@ -346,32 +438,67 @@ def dot(
         )
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"x has K={x.shape[-1]} features but w has {w.shape[0]} rows")
-    if x.dtype != w.dtype:
-        raise TypeError(
-            f"x is {x.dtype} and w is {w.dtype}; cast both to one dtype "
-            "(e.g. w.astype(x.dtype))"
-        )
-    k, n = w.shape
-    if (recipe.fprop or recipe.dgrad or recipe.wgrad) and (k % 16 or n % 16):
-        raise ValueError(
-            f"w is [{k}, {n}]; NVFP4 GEMMs need K and N multiples of 16 — pad the "
-            "layer or keep it in bf16 (Recipe(fprop=False, dgrad=False, "
-            "wgrad=False))"
-        )
-    if recipe.needs_key and key is None:
-        raise ValueError(
-            "the recipe uses stochastic rounding in the backward pass: pass "
-            "key=jax.random.key(...) (a new key each step), or use NVFP4_NO_SR"
-        )
-    words = key_words(key, recipe.needs_key, 0)
-    x2 = x.reshape(math.prod(x.shape[:-1]), k)
-    static = (
-        jnp.dtype(x.dtype),
-        jnp.dtype(preferred_element_type or x.dtype),
-        tuple(_axis_names(axis_name)) or None,
-        _explicit_specs(x2, w),
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    out = _dot2d(
+        x2,
+        w,
+        False,
+        key=key,
+        recipe=recipe,
+        preferred_element_type=preferred_element_type,
+        axis_name=axis_name,
     )
-    return _dot2(x2, w, words, recipe, static).reshape(*x.shape[:-1], n)
+    return out.reshape(*x.shape[:-1], w.shape[1])
+
+
+def _dims(dims, ndim: int, what: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a sequence of ints (dimension_numbers = "
+            "((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)))"
+        ) from None
+    for d in dims:
+        if not -ndim <= d < ndim:
+            raise ValueError(f"{what} has dimension {d}, out of range for rank {ndim}")
+    dims = tuple(d % ndim for d in dims)
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"{what} repeats a dimension: {dims}")
+    return dims
+
+
+def _parse_dimension_numbers(dimension_numbers, lhs, rhs):
+    """((lhs contracting, rhs contracting), (lhs batch, rhs batch)), each a
+    tuple of non-negative ints, checked against the shapes."""
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+    except (TypeError, ValueError):
+        raise ValueError(
+            "dimension_numbers must be ((lhs_contracting, rhs_contracting), "
+            f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
+        ) from None
+    lc = _dims(lc, lhs.ndim, "lhs_contracting")
+    rc = _dims(rc, rhs.ndim, "rhs_contracting")
+    lb = _dims(lb, lhs.ndim, "lhs_batch")
+    rb = _dims(rb, rhs.ndim, "rhs_batch")
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(
+            "lhs and rhs must list as many contracting dims, and as many batch "
+            f"dims, as each other; got dimension_numbers={dimension_numbers}"
+        )
+    if set(lc) & set(lb) or set(rc) & set(rb):
+        raise ValueError(
+            f"a dimension is both contracting and batch: {dimension_numbers}"
+        )
+    for what, lhs_dims, rhs_dims in (("contracting", lc, rc), ("batch", lb, rb)):
+        for i, j in zip(lhs_dims, rhs_dims, strict=True):
+            if lhs.shape[i] != rhs.shape[j]:
+                raise ValueError(
+                    f"{what} dims differ in size: lhs dim {i} has "
+                    f"{lhs.shape[i]}, rhs dim {j} has {rhs.shape[j]}"
+                )
+    return lc, rc, lb, rb
 
 
 def dot_general(
@@ -385,42 +512,84 @@ def dot_general(
     key: jax.Array | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     out_sharding=None,
+    _missing_key_message: str = MISSING_KEY_MESSAGE,
     **kwargs,
 ) -> jax.Array:
-    """A drop-in for ``lax.dot_general`` in dense layers (Flax's ``dot_general=``).
+    """A drop-in for ``lax.dot_general`` (Flax's ``dot_general=``,
+    ``jnp.einsum(..., _dot_general=...)``) running the NVFP4 recipe.
 
-    Supports the dense-layer form: lhs [..., K] contracted on its last axis with
-    rhs [K, N] on axis 0, no batch dimensions; others raise. ``precision`` is
-    accepted and ignored (the GEMMs are NVFP4); ``preferred_element_type`` sets
-    the output dtype; ``out_sharding`` is applied as a sharding constraint.
-    Bind ``recipe``, ``key`` (and ``axis_name`` inside shard_map; see
-    ``dot``) with functools.partial.
+    A weight-like rhs (no batch dims) maps onto the recipe's 2-D problem:
+    K = the contracting dims flattened in rhs's order, N = rhs's free dims
+    flattened, tokens = lhs's free dims; K and N must be multiples of 16. The
+    weight may be stored either way round: contracting dims first ([K, N],
+    Flax) or last ([N, K], Equinox and PyTorch) is read as stored; other
+    orders are transposed first. With batch dims (attention's activation x
+    activation products) the product runs as ``lax.dot_general`` in the
+    input precision: the reference recipe defines no NVFP4 form for them.
+
+    ``precision`` is accepted and ignored (the GEMMs are NVFP4);
+    ``preferred_element_type`` sets the output dtype; ``out_sharding`` is
+    applied as a sharding constraint. Bind ``recipe``, ``key`` (and
+    ``axis_name`` inside shard_map; see ``dot``) with functools.partial.
+    Returns lax.dot_general's shape: lhs's free dims, then rhs's.
     """
-    del precision
     if kwargs:
         raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    if (
-        tuple(lhs_batch)
-        or tuple(rhs_batch)
-        or tuple(lhs_contract) != (lhs.ndim - 1,)
-        or tuple(rhs_contract) != (0,)
-        or rhs.ndim != 2
-    ):
-        raise NotImplementedError(
-            "jax_nvfp4.dot_general supports the dense-layer form: lhs [..., K] "
-            "contracted on its last axis with rhs [K, N] on axis 0, no batch "
-            f"dimensions; got dimension_numbers={dimension_numbers} for shapes "
-            f"{lhs.shape} and {rhs.shape}"
+    lc, rc, lb, rb = _parse_dimension_numbers(dimension_numbers, lhs, rhs)
+    if lb:
+        out = jax.lax.dot_general(
+            lhs,
+            rhs,
+            ((lc, rc), (lb, rb)),
+            precision=precision,
+            preferred_element_type=preferred_element_type,
         )
-    out = dot(
-        lhs,
-        rhs,
-        key=key,
-        recipe=recipe,
-        preferred_element_type=preferred_element_type,
-        axis_name=axis_name,
-    )
+    else:
+        out = _weight_like(
+            lhs,
+            rhs,
+            lc,
+            rc,
+            key=key,
+            recipe=recipe,
+            preferred_element_type=preferred_element_type,
+            axis_name=axis_name,
+            missing_key_message=_missing_key_message,
+        )
     if out_sharding is not None:
         out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out
+
+
+def _weight_like(lhs, rhs, lc, rc, **options):
+    """lax.dot_general(lhs, rhs, ((lc, rc), ((), ()))) by the 2-D recipe."""
+    lhs_free = [d for d in range(lhs.ndim) if d not in lc]
+    rhs_free = [d for d in range(rhs.ndim) if d not in rc]
+    if not rc or not rhs_free:
+        raise ValueError(
+            "an NVFP4 dot_general needs at least one contracting dim and one "
+            f"free dim on rhs; got rhs shape {rhs.shape} with contracting dims "
+            f"{rc}. Keep this product in bf16 (recipe=jax_nvfp4.BF16)."
+        )
+    # K runs over the contracting dims in rhs's order; lhs's follow the pairing.
+    order = sorted(range(len(rc)), key=lambda i: rc[i])
+    rc_sorted = [rc[i] for i in order]
+    lc_paired = [lc[i] for i in order]
+    x_perm = lhs_free + lc_paired
+    if x_perm != list(range(lhs.ndim)):
+        lhs = jnp.transpose(lhs, x_perm)
+    k = math.prod(rhs.shape[d] for d in rc_sorted)
+    features = tuple(rhs.shape[d] for d in rhs_free)
+    n = math.prod(features)
+    free_shape = tuple(lhs.shape[: len(lhs_free)])
+    x2 = lhs.reshape(math.prod(free_shape), k)
+    contracting_first = rc_sorted + rhs_free == list(range(rhs.ndim))
+    contracting_last = rhs_free + rc_sorted == list(range(rhs.ndim))
+    if contracting_last and not contracting_first:
+        w2, nk = rhs.reshape(n, k), True
+    else:
+        if not contracting_first:
+            rhs = jnp.transpose(rhs, rc_sorted + rhs_free)
+        w2, nk = rhs.reshape(k, n), False
+    out = _dot2d(x2, w2, nk, **options)
+    return out.reshape(*free_shape, *features)

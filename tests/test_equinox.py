@@ -130,7 +130,8 @@ def test_nested_vmap_folds_into_one_dot():
         [
             [(1, t, K // 2), (1, t, N)],  # FPROP: x [T, K] . w
             [(1, t, N // 2), (1, t, K)],  # DGRAD: dy [T, N] . w^T
-            [(1, K, t // 2), (1, K, N)],  # WGRAD: x^T [K, T] . dy -> dw [K, N]
+            # WGRAD: dy^T [N, T] . x -> dw [N, K], the weight's own layout
+            [(1, N, t // 2), (1, N, K)],
         ]
     ), gemms
     assert weight_shaped == []

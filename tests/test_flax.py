@@ -203,15 +203,18 @@ def test_linen_dense_general_folds_axes():
     assert_same(y, y_ref)  # the forward pass does not depend on the key
 
 
-def test_linen_unsupported_contraction_raises():
+def test_linen_batch_dims_run_in_the_input_precision():
+    """A contraction with batch dims has no NVFP4 form in the reference
+    recipe: it is lax.dot_general's product."""
+    kwargs = dict(features=16, axis=-1, batch_dims=(0,), dtype=BF16)
     layer = nn.DenseGeneral(
-        features=16,
-        axis=-1,
-        batch_dims=(0,),
+        **kwargs,
         dot_general_cls=functools.partial(LinenDotGeneral, recipe=nv.NVFP4),
     )
-    with pytest.raises(NotImplementedError, match="no batch dimensions"):
-        layer.init(jax.random.key(0), jnp.zeros((2, 16, 16)))
+    x = jax.random.normal(jax.random.key(1), (2, 16, 16), BF16)
+    params = layer.init(jax.random.key(0), x)
+    y = layer.apply(params, x, rngs={"nvfp4": jax.random.key(2)})
+    assert_same(y, nn.DenseGeneral(**kwargs).apply(params, x))
 
 
 # ------------------------------------------------------------------------- NNX

@@ -127,7 +127,7 @@ def test_leading_dims_vmap_jit():
 def test_errors():
     x = jnp.ones((16, 32))
     with pytest.raises(ValueError, match="key=jax.random.key"):
-        nv.dot(x, jnp.ones((32, 16)))
+        jax.grad(lambda x: jnp.sum(nv.dot(x, jnp.ones((32, 16)))))(x)
     with pytest.raises(ValueError, match="multiples of 16"):
         nv.dot(x, jnp.ones((32, 20)), recipe=nv.NVFP4_NO_SR)
     with pytest.raises(TypeError, match="cast both"):
@@ -217,8 +217,10 @@ def test_dot_general_drop_in():
     )
     grads = jax.grad(lambda w: jnp.sum(dg(x, w, dn).astype(jnp.float32)))(w)
     assert grads.dtype == w.dtype and grads.shape == w.shape
-    with pytest.raises(NotImplementedError, match="dense-layer form"):
-        nv.dot_general(x, w.T, (((2,), (1,)), ((), ())))
+    # A weight stored [N, K] is the same product.
+    np.testing.assert_array_equal(
+        dg(x, w.T, (((2,), (1,)), ((), ()))), nv.dot(x, w, recipe=nv.NVFP4_NO_SR)
+    )
 
 
 def test_higher_order_derivatives_raise_clearly():
