@@ -31,9 +31,13 @@ from jax_nvfp4.recipe import (
     NVFP4,
     NVFP4_NO_RHT,
     NVFP4_NO_SR,
+    OUTPUT,
+    W_RESIDUAL,
+    X_RESIDUAL,
     Recipe,
     dot,
     dot_general,
+    save_fp4_residuals,
 )
 
 __version__ = "0.1.0"
@@ -43,9 +47,13 @@ __all__ = [
     "NVFP4",
     "NVFP4_NO_RHT",
     "NVFP4_NO_SR",
+    "OUTPUT",
+    "W_RESIDUAL",
+    "X_RESIDUAL",
     "Recipe",
     "dot",
     "dot_general",
+    "save_fp4_residuals",
     "BLOCK_SIZE",
     "E2M1_MAX",
     "E2M1_VALUES",

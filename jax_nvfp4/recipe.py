@@ -23,6 +23,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,9 +42,13 @@ __all__ = [
     "NVFP4",
     "NVFP4_NO_RHT",
     "NVFP4_NO_SR",
+    "OUTPUT",
     "Recipe",
+    "W_RESIDUAL",
+    "X_RESIDUAL",
     "dot",
     "dot_general",
+    "save_fp4_residuals",
 ]
 
 
@@ -252,6 +257,26 @@ def _bf16_dot(a, b, out_spec, preferred_element_type=None, *, a_t=False, b_t=Fal
     return jax.lax.dot_general(a, b, dims, **kwargs)
 
 
+# checkpoint_name labels of the recipe's FP4 residuals (codes, scales and
+# amax of each): x's column-wise copy for WGRAD and w's copy for DGRAD.
+X_RESIDUAL = "nvfp4_x_columnwise"
+W_RESIDUAL = "nvfp4_w"
+# The label of each NVFP4 product's output, for policies that also keep it
+# (save_only_these_names(X_RESIDUAL, W_RESIDUAL, OUTPUT)).
+OUTPUT = "nvfp4_output"
+
+# A jax.checkpoint policy that keeps exactly the recipe's FP4 residuals (x's
+# column-wise copy and w's copy, with their scales and amaxes) and recomputes
+# everything else: the backward pass then quantizes neither x nor w again.
+save_fp4_residuals = jax.checkpoint_policies.save_only_these_names(
+    X_RESIDUAL, W_RESIDUAL
+)
+
+
+def _named(t, name):
+    return jax.tree.map(lambda a: checkpoint_name(a, name), t)
+
+
 def _gemm_dtype(dtype):
     """The GEMM's own output type for a result of `dtype`: bfloat16 and
     float32 directly (rounded once from the float32 accumulator, as a cast
@@ -286,8 +311,8 @@ def _dot2_fwd(x2, w, words, recipe, static):
             b_t=nk,
         )
     residuals = (
-        x_cols if recipe.wgrad else x2,
-        w_along_n if recipe.dgrad else w,
+        _named(x_cols, X_RESIDUAL) if recipe.wgrad else x2,
+        _named(w_along_n, W_RESIDUAL) if recipe.dgrad else w,
         words,
     )
     return out, residuals
@@ -396,8 +421,10 @@ def _dot2d(
         nk,
     )
     if recipe.needs_key and key is None:
-        return _forward_only(x2, w2, recipe, static, missing_key_message)
-    return _dot2(x2, w2, key_words(key, recipe.needs_key, 0), recipe, static)
+        out = _forward_only(x2, w2, recipe, static, missing_key_message)
+    else:
+        out = _dot2(x2, w2, key_words(key, recipe.needs_key, 0), recipe, static)
+    return checkpoint_name(out, OUTPUT)
 
 
 def dot(

@@ -53,9 +53,11 @@ def with_varying(out, avals):
 def _no_derivative(name, primals, tangents, **params):
     raise NotImplementedError(
         f"{name} has no derivative: NVFP4 quantization is piecewise constant. "
-        "jax_nvfp4.dot defines its gradient with a custom VJP; higher-order "
-        "derivatives (grad of grad, jvp) of it are not supported — differentiate "
-        "a bf16 model (recipe=jax_nvfp4.BF16) for those."
+        "To train through NVFP4, use jax_nvfp4.dot / dot_general, whose custom "
+        "VJP defines the recipe's gradients, instead of differentiating "
+        "quantize or dequantize. Higher-order derivatives of jax_nvfp4.dot "
+        "(grad of grad) are not supported either — differentiate a bf16 model "
+        "(recipe=jax_nvfp4.BF16) for those."
     )
 
 
