@@ -10,6 +10,7 @@ selection by ``jax_nvfp4.policy``.
 """
 
 from jax_nvfp4 import policy, reference
+from jax_nvfp4.backends import export_safety_checks
 from jax_nvfp4.backends.library import available_platforms
 from jax_nvfp4.format import (
     BLOCK_SIZE,
@@ -61,6 +62,7 @@ __all__ = [
     "SCALE_RANGE",
     "NVFP4Tensor",
     "available_platforms",
+    "export_safety_checks",
     "dequantize",
     "global_amax",
     "matmul",

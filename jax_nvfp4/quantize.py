@@ -111,7 +111,8 @@ def key_words(key, stochastic: bool, size: int) -> jax.Array:
             "rounding='stochastic' needs a PRNG key: pass key=jax.random.key(seed) "
             "(a new key each step)"
         )
-    if size >= _MAX_STOCHASTIC_ELEMENTS:
+    # (A symbolic size, under jax.export's shape polymorphism, is not checked.)
+    if isinstance(size, int) and size >= _MAX_STOCHASTIC_ELEMENTS:
         raise ValueError(
             f"stochastic rounding supports tensors of fewer than 2**35 elements; "
             f"this one has {size} — quantize it in pieces"

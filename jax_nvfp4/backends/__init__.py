@@ -2,3 +2,25 @@
 ``devices`` (what the lowered-for devices can do), ``hopper`` (the exact bf16
 cuBLASLt GEMM for GPUs without FP4 tensor cores) and ``blackwell`` (the
 native FP4 GEMM). Only the primitive layer, ``jax_nvfp4.ops``, uses them."""
+
+
+def export_safety_checks() -> list:
+    """The ``jax.export.DisabledSafetyCheck`` list that lets ``jax.export``
+    serialize computations holding jax_nvfp4's custom calls.
+
+    XLA's export refuses custom calls without a compatibility guarantee; these
+    handlers have none across jax_nvfp4 versions, so a module exported with
+    these checks disabled must run with the same jax_nvfp4 build::
+
+        exported = jax.export.export(
+            jax.jit(step), disabled_checks=jax_nvfp4.export_safety_checks()
+        )(*args)
+    """
+    from jax import export
+
+    from jax_nvfp4.backends import blackwell, hopper, library
+
+    names = set().union(*library.registered_targets().values())
+    names |= {hopper.TARGET, hopper.GRAPH_TARGET, hopper.DECODE_TARGET}
+    names.add(blackwell.TARGET)
+    return [export.DisabledSafetyCheck.custom_call(n) for n in sorted(names)]
