@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Literal
 
 import jax
@@ -98,6 +99,15 @@ def _is_stochastic(rounding: Rounding) -> bool:
     return rounding == "stochastic"
 
 
+def _warn_unused_key(key, stochastic: bool) -> None:
+    if key is not None and not stochastic:
+        warnings.warn(
+            "a key was passed with rounding='nearest', which draws no random "
+            "bits: it is ignored (pass rounding='stochastic' to use it)",
+            stacklevel=3,
+        )
+
+
 def key_words(key, stochastic: bool, size: int) -> jax.Array:
     """The two uint32 words that key the stochastic-rounding generator, [1, 2].
 
@@ -116,6 +126,11 @@ def key_words(key, stochastic: bool, size: int) -> jax.Array:
         raise ValueError(
             f"stochastic rounding supports tensors of fewer than 2**35 elements; "
             f"this one has {size} — quantize it in pieces"
+        )
+    if not hasattr(key, "dtype"):
+        raise ValueError(
+            "key must be a jax.random.key(...) or a uint32[2] PRNGKey, got "
+            f"{type(key).__name__} {key!r}"
         )
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.shape != ():
@@ -144,7 +159,18 @@ def _check_amax(amax, name="amax") -> jax.Array:
         )
     if not jnp.issubdtype(amax.dtype, jnp.floating):
         raise TypeError(f"{name} must be a float, got {amax.dtype}")
-    return amax.astype(jnp.float32).reshape(())
+    amax = amax.astype(jnp.float32).reshape(())
+    try:  # a concrete value can be checked; a traced one cannot
+        value = float(amax)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        return amax
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{name}={value} must be a finite, positive max |x| (0 would give "
+            "all-zero scales); pass the tensor's amax, e.g. "
+            "jax_nvfp4.global_amax(x), or leave it out"
+        )
+    return amax
 
 
 def global_amax(
@@ -233,6 +259,7 @@ def quantize(
         stream=_check_stream(stream),
     )
     impl = implementation_ops(implementation)
+    _warn_unused_key(key, spec.stochastic)
     words = key_words(key, spec.stochastic, _global_size(x, _place))
     x3, cols = _rank3(x, axis)
     if amax is None:
@@ -350,6 +377,7 @@ def quantize_rowwise_and_columnwise(
         stream=_check_stream(col_stream),
     )
     impl = implementation_ops(implementation)
+    _warn_unused_key(key, row_spec.stochastic or col_spec.stochastic)
     words = key_words(
         key, row_spec.stochastic or col_spec.stochastic, _global_size(x, _place)
     )

@@ -74,6 +74,34 @@ class Recipe:
     weight_2d: bool = True
     implementation: str = "ffi"
 
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "implementation":
+                if value not in ("ffi", "reference"):
+                    raise ValueError(
+                        "Recipe.implementation must be 'ffi' or 'reference', "
+                        f"got {value!r}"
+                    )
+            elif not isinstance(value, bool):
+                raise TypeError(
+                    f"Recipe.{field.name} must be True or False, got {value!r}"
+                )
+        if not (self.fprop or self.dgrad or self.wgrad) and (
+            self.rht or self.stochastic_rounding
+        ):
+            raise ValueError(
+                "this Recipe runs every GEMM in bf16, so rht and "
+                "stochastic_rounding do nothing: use jax_nvfp4.BF16, or set "
+                "them to False"
+            )
+        if self.stochastic_rounding and not (self.dgrad or self.wgrad):
+            raise ValueError(
+                "stochastic_rounding rounds dY for the backward GEMMs, but this "
+                "Recipe runs both in bf16: set stochastic_rounding=False (or "
+                "dgrad/wgrad=True)"
+            )
+
     @property
     def needs_key(self) -> bool:
         return self.stochastic_rounding and (self.dgrad or self.wgrad)
@@ -82,7 +110,9 @@ class Recipe:
 NVFP4 = Recipe()
 NVFP4_NO_RHT = Recipe(rht=False)
 NVFP4_NO_SR = Recipe(stochastic_rounding=False)
-BF16 = Recipe(fprop=False, dgrad=False, wgrad=False)
+BF16 = Recipe(
+    fprop=False, dgrad=False, wgrad=False, rht=False, stochastic_rounding=False
+)
 
 
 def _write_gemm_operands(recipe: Recipe, a: jax.Array) -> bool:
@@ -412,6 +442,10 @@ def _dot2d(
     """x2 [T, K] . w2 ([K, N], or [N, K] if ``nk``) -> [T, N] by the recipe.
     Without a key where the recipe needs one, the forward pass runs and
     differentiating it raises ``missing_key_message``."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"recipe must be a jax_nvfp4.Recipe (e.g. jax_nvfp4.NVFP4), got {recipe!r}"
+        )
     _check_operands(x2, w2, nk, recipe)
     static = (
         jnp.dtype(x2.dtype),
