@@ -38,6 +38,10 @@ _F32 = np.float32
 FLT_MAX = _F32(np.finfo(np.float32).max)
 ONE_SIXTH = _F32(1.0) / _F32(6.0)
 INV_SCALE_RANGE = _F32(1.0) / _F32(SCALE_RANGE)
+# Step 3a: a block (tile) holding a NaN or +-inf has the float8_e4m3fn NaN
+# as its scale and every code 0 (kNonFiniteScaleByte, kNonFiniteCodes).
+NON_FINITE_SCALE_BYTE = np.uint8(0x7F)
+NON_FINITE_CODE = np.uint8(0)
 RHT_SIGNS = np.array([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1])
 
 
@@ -54,13 +58,14 @@ def _float(bits):
 
 
 def abs_max(x: jax.Array) -> jax.Array:
-    """max |x| over all elements, NaN ignored (fmaxf semantics), float32.
+    """max |x| over the finite elements (NaN and +-inf ignored), float32; 0
+    when there is none (step 1 of ``ffi/numerics/nvfp4.h``, MaxAbsFinite).
 
     Float32 subnormals count as zero, as in all of this package's arithmetic
     (flushed; ``ffi/numerics/nvfp4.h``): XLA flushes them on CPU, and the
     explicit test makes the amax the same where XLA keeps them (GPU)."""
     a = jnp.abs(x.astype(jnp.float32))
-    ignored = jnp.isnan(a) | (a < _F32(np.finfo(np.float32).tiny))
+    ignored = ~jnp.isfinite(a) | (a < _F32(np.finfo(np.float32).tiny))
     return jnp.max(jnp.where(ignored, _F32(0), a), initial=_F32(0))
 
 
@@ -297,10 +302,12 @@ def _quantize_oriented(q, amax, key, spec, *, origin, global_shape, example_batc
     a = jnp.repeat(amax.reshape(-1), batch // amax.size)
     s_enc, s_dec = global_scale(a)
     tiles = q.reshape(batch, rows // block_rows, block_rows, length // 16, 16)
-    magnitude = jnp.abs(tiles)
+    # Step 3: the block (tile) amax, a NaN or +-inf counting as +inf; 3a: such
+    # a block gets the NaN scale byte and codes 0 (below).
     block_amax = jnp.max(
-        jnp.where(jnp.isnan(magnitude), _F32(0), magnitude), axis=(2, 4)
+        jnp.where(jnp.isfinite(tiles), jnp.abs(tiles), _F32(np.inf)), axis=(2, 4)
     )
+    non_finite = block_amax == _F32(np.inf)
     bcast = (slice(None), None, None)
     scale = e4m3_round_satfinite(
         jnp.fmin(block_amax * (s_enc * ONE_SIXTH)[bcast], FLT_MAX)
@@ -314,9 +321,11 @@ def _quantize_oriented(q, amax, key, spec, *, origin, global_shape, example_batc
         codes = e2m1_round_stochastic(v, rnd.reshape(v.shape))
     else:
         codes = e2m1_round_nearest(v)
+    codes = jnp.where(non_finite[:, :, None, :, None], NON_FINITE_CODE, codes)
     codes = codes.reshape(batch, rows, length)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    scale_bytes = jnp.repeat(e4m3_encode(scale), block_rows, axis=1)
+    scale_bytes = jnp.where(non_finite, NON_FINITE_SCALE_BYTE, e4m3_encode(scale))
+    scale_bytes = jnp.repeat(scale_bytes, block_rows, axis=1)
     scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
     if spec.decoded:
         return decode_bf16(packed, scales), scales
@@ -374,8 +383,8 @@ def quantize_rows_cols(
 
 
 def amax(x, *, cols):
-    """[b, 2]: (max |x[b]|, max |bf16(RHT(x[b]))|), the RHT along m if
-    ``cols`` else along k."""
+    """[b, 2]: (max |x[b]|, max |bf16(RHT(x[b]))|) over the finite values
+    (``abs_max``), the RHT along m if ``cols`` else along k."""
     q = x.astype(jnp.float32)
     if cols:
         q = jnp.swapaxes(q, 1, 2)

@@ -327,7 +327,8 @@ def test_fused_recipe_options_match_reference(
     QuantizeTileKernel) for each rounding/RHT option and both block shapes
     (1x16: X and dY; 16x16: the 2D weights), on a shape that is a multiple of
     16 but not of the kernel's 128 x 64 CTA tile, with NaN, inf and all-zero
-    blocks. amax: None computes it (inf here, so the global scale is 1),
+    blocks. amax: None computes it (over the finite values; the NaN and inf
+    blocks get the NaN scale byte),
     0.5 (below the data's) saturates the block scales, "distinct" gives rows
     and columns different finite global scales that leave most blocks
     unsaturated."""

@@ -3,16 +3,20 @@
 // ffi/numerics/nvfp4.h (the CPU handlers' and the pure-JAX twin's):
 //   1. E4M3FromFloat == E4M3RoundSatfinite / E4M3Encode for every
 //      non-negative float up to +inf (clamped to FLT_MAX as BlockScale does);
-//   2. EncodeBlock16Fast == EncodeBlock16, round to nearest, on every float32
-//      bit pattern (2^28 blocks of 16 consecutive patterns, multiplier 1);
+//   2. EncodeBlock16Fast == EncodeBlock16, round to nearest, on every finite
+//      float32 bit pattern (2^28 blocks of 16 consecutive patterns,
+//      multiplier 1; the 2^20 blocks of NaN / inf patterns take step 3a,
+//      codes 0, in the kernels and are skipped);
 //   3. the same with stochastic rounding, two random bytes per pattern;
 //   4. RandomHadamard16Fast == RandomHadamard16 on 2^24 random blocks (NaN
 //      payloads aside), and RandomHadamard16FastPacked (values and packed
 //      words) on 2^24 random bfloat16 blocks;
 //   5. SignBits16Bf16 == SignBits16 on 2^24 random bfloat16 blocks;
-//   6. BlockAmax and BlockAmaxBf16 == a plain loop (max |v| ignoring NaN,
-//      and whether a NaN is there) on the same blocks, NaN / inf / -0.0 /
-//      subnormal elements included (a subnormal maximum counts as zero).
+//   6. BlockAmax and BlockAmaxBf16 == the header's BlockAmaxStep loop (max
+//      |v|, +inf for a block holding a NaN or +-inf), and a fmaxf loop of
+//      FiniteAbsOrZero == the header's MaxAbsFinite loop (the amax kernels'
+//      terms), on the same blocks, NaN / inf / -0.0 / subnormal elements
+//      included (a subnormal maximum counts as zero).
 // Built with -ftz=true, as the handlers are: both sides flush subnormals.
 //
 //   nvcc -std=c++17 -O3 --fmad=false -ftz=true -arch=sm_90a -I ffi \
@@ -60,28 +64,29 @@ __global__ void CheckEncode(uint64_t blocks, uint32_t salt) {
            blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
        b < blocks; b += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     float v[kBlock];
-    bool has_nan = false;
+    bool finite = true;
     for (int i = 0; i < kBlock; ++i) {
       v[i] = BitsToFloat(static_cast<uint32_t>(16 * b + i));
-      has_nan |= v[i] != v[i];
+      finite &= IsFinite(v[i]);
     }
+    if (!finite) continue;  // step 3a: the kernels write codes 0
     const uint32_t h0 = Hash(static_cast<uint32_t>(b) ^ salt);
     const uint32_t h1 = Hash(h0 + 1), h2 = Hash(h0 + 2), h3 = Hash(h0 + 3);
     const uint64_t lo = h0 | (static_cast<uint64_t>(h1) << 32);
     const uint64_t hi = h2 | (static_cast<uint64_t>(h3) << 32);
     if (salt == 0) {
       const uint64_t want = EncodeBlock16(v, 1.0f, false, 0, 0);
-      float block_amax = 0.0f;  // below 7 (and no NaN): the uncapped form too
+      float block_amax = 0.0f;  // below 7: the uncapped form too
       for (int i = 0; i < kBlock; ++i)
         block_amax = fmaxf(block_amax, fabsf(v[i]));
-      const bool below_seven = !has_nan && block_amax < 7.0f;
-      if (EncodeBlock16Fast(v, 1.0f, has_nan, false, 0, 0) != want ||
+      const bool below_seven = block_amax < 7.0f;
+      if (EncodeBlock16Fast(v, 1.0f, false, 0, 0) != want ||
           (below_seven &&
-           EncodeBlock16Fast(v, 1.0f, has_nan, false, 0, 0, true) != want)) {
+           EncodeBlock16Fast(v, 1.0f, false, 0, 0, true) != want)) {
         atomicAdd(&g_mismatch[1], 1ull);
       }
     }
-    if (EncodeBlock16Fast(v, 1.0f, has_nan, true, lo, hi) !=
+    if (EncodeBlock16Fast(v, 1.0f, true, lo, hi) !=
         EncodeBlock16(v, 1.0f, true, lo, hi)) {
       atomicAdd(&g_mismatch[2], 1ull);
     }
@@ -139,23 +144,19 @@ __global__ void CheckBf16Blocks(uint32_t blocks) {
       words[i / 2] = (i % 2 == 0) ? (words[i / 2] & 0xFFFF0000u) | (bits >> 16)
                                   : (words[i / 2] & 0xFFFFu) | bits;
     }
-    float plain = 0.0f;
-    bool plain_nan = false;
+    float block = 0.0f, finite = 0.0f, finite_fast = 0.0f;
     for (int i = 0; i < kBlock; ++i) {
-      if (x[i] != x[i]) {
-        plain_nan = true;
-      } else if (fabsf(x[i]) > plain) {
-        plain = fabsf(x[i]);
-      }
+      block = BlockAmaxStep(block, x[i]);
+      finite = MaxAbsFinite(finite, x[i]);
+      finite_fast = fmaxf(finite_fast, FiniteAbsOrZero(x[i]));
     }
-    const BlockMax tree = BlockAmax(x), pairs = BlockAmaxBf16(words, x);
-    // max.NaN (asm, no .ftz) and the bfloat16 maximum keep a subnormal amax
-    // that the plain loop (-ftz=true) flushes; the block scale's multiply
-    // flushes it too, so the maxima agree up to that.
-    if (FlushedBits(tree.amax) != FloatBits(plain) ||
-        tree.has_nan != plain_nan ||
-        FlushedBits(pairs.amax) != FloatBits(plain) ||
-        pairs.has_nan != plain_nan) {
+    const float tree = BlockAmax(x), pairs = BlockAmaxBf16(words);
+    // max.NaN (asm, no .ftz) and the bfloat16 maximum may keep a subnormal
+    // amax that the header's loop (-ftz=true) flushes; the block scale's
+    // multiply flushes it too, so the maxima agree up to that.
+    if (FlushedBits(tree) != FloatBits(block) ||
+        FlushedBits(pairs) != FloatBits(block) ||
+        FlushedBits(finite_fast) != FloatBits(finite)) {
       atomicAdd(&g_mismatch[6], 1ull);
     }
     RandomHadamard16(x, want);

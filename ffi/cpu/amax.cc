@@ -14,7 +14,8 @@ namespace jax_nvfp4 {
 namespace cpu {
 namespace {
 
-// out[b] = (max |x[b]|, max |bf16(RHT(x[b]))|), NaN ignored, with the
+// out[b] = (max |x[b]|, max |bf16(RHT(x[b]))|) over the finite values (NaN
+// and +-inf ignored; 0 if there is none), with the
 // transform on 16-chunks along k (`cols` false, as quantize_rows transforms)
 // or along m (`cols` true, as quantize_cols).
 ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
@@ -38,8 +39,8 @@ ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
       float y[kBlock];
       RandomHadamard16(&q[c], y);
       for (int i = 0; i < kBlock; ++i) {
-        plain = MaxAbsIgnoringNan(plain, q[c + i]);
-        transformed = MaxAbsIgnoringNan(transformed, y[i]);
+        plain = MaxAbsFinite(plain, q[c + i]);
+        transformed = MaxAbsFinite(transformed, y[i]);
       }
     }
     out->typed_data()[2 * b] = plain;

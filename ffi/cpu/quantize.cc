@@ -27,16 +27,14 @@ void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
   const int64_t block_rows = options.block_rows;
   for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
     for (int64_t kb = 0; kb < blocks; ++kb) {
+      // Step 3: the block's (tile's) amax, +inf if it holds a NaN or +-inf.
       float block_amax = 0.0f;
       for (int64_t r = r0; r < r0 + block_rows; ++r) {
         for (int i = 0; i < kBlock; ++i) {
-          block_amax =
-              MaxAbsIgnoringNan(block_amax, q[r * len + kb * kBlock + i]);
+          block_amax = BlockAmaxStep(block_amax, q[r * len + kb * kBlock + i]);
         }
       }
-      const float scale = BlockScale(block_amax, g);
-      const float multiplier = BlockEncodeMultiplier(scale, g);
-      const uint8_t scale_byte = E4M3Encode(scale);
+      const BlockScaling s = BlockScaleOf(block_amax, g);  // steps 3a/3b, 4
       for (int64_t r = r0; r < r0 + block_rows; ++r) {
         const uint64_t first = index_base + r * index_row_stride + kb * kBlock;
         uint64_t random_lo = 0, random_hi = 0;
@@ -46,13 +44,15 @@ void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
                         &random_hi);
         }
         const uint64_t packed =
-            EncodeBlock16(&q[r * len + kb * kBlock], multiplier,
-                          options.stochastic, random_lo, random_hi);
+            s.non_finite ? kNonFiniteCodes
+                         : EncodeBlock16(&q[r * len + kb * kBlock],
+                                         s.multiplier, options.stochastic,
+                                         random_lo, random_hi);
         for (int byte = 0; byte < 8; ++byte) {
           codes[r * (len / 2) + kb * 8 + byte] =
               static_cast<uint8_t>(packed >> (8 * byte));
         }
-        scales[r * blocks + kb] = scale_byte;
+        scales[r * blocks + kb] = s.scale_byte;
       }
     }
   }

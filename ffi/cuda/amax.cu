@@ -21,12 +21,14 @@ namespace jax_nvfp4 {
 namespace {
 
 // ---------------------------------------------------------------------------
-// AmaxKernel: out[b] = (max |x[b]|, max |bf16(RHT(x[b]))|). The CTAs
+// AmaxKernel: out[b] = (max |x[b]|, max |bf16(RHT(x[b]))|), each over the
+// finite values only (NaN and +-inf ignored: FiniteAbsOrZero, the header's
+// MaxAbsFinite; a chunk holding one has no finite transformed value). The CTAs
 // blockIdx.x / ctas_per_batch == b cover batch item b; thread chunks are 16
 // elements along the transformed axis: contiguous along k (!kCols, as
 // quantize_rows transforms), or 16 rows of one column (kCols, as
 // quantize_cols; consecutive threads: consecutive columns).
-// All values are >= +0 and never NaN, so the float maximum is the unsigned
+// All values are >= +0 and finite, so the float maximum is the unsigned
 // maximum of the bit patterns (the output is zeroed first).
 // ---------------------------------------------------------------------------
 struct AmaxArgs {
@@ -104,8 +106,8 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const AmaxArgs args) {
     RandomHadamard16Fast(v, y);
 #pragma unroll
     for (int i = 0; i < kBlock; ++i) {
-      plain = fmaxf(plain, fabsf(v[i]));
-      transformed = fmaxf(transformed, fabsf(y[i]));
+      plain = fmaxf(plain, FiniteAbsOrZero(v[i]));
+      transformed = fmaxf(transformed, FiniteAbsOrZero(y[i]));
     }
   }
   StoreAmaxPair(plain, transformed, args.out + 2 * b);
@@ -116,14 +118,25 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const AmaxArgs args) {
 // transform along m, the token axis) for a 16-byte aligned x with k % 8 ==
 // 0. A thread's chunk is 16 rows x 8 columns, read with 16 16-byte loads
 // (a warp reads 512 contiguous bytes of each row) instead of 16 2-byte
-// loads per column. Fewer instructions per column, both exact:
+// loads per column. Fewer instructions per column, both exact for a column
+// whose transformed values are all finite, also as bfloat16:
 //   * the butterfly's last stage and the maximum of its two results:
 //     max(|a + b|, |a - b|) = |a| + |b| as float sums (rounding is
-//     symmetric and monotonic; infinities and NaN give the same maximum with
-//     NaN ignored);
+//     symmetric and monotonic);
 //   * the bfloat16 rounding once, of the thread's maximum: rounding (with
 //     subnormals flushed) is monotonic, so max |bf16(y)| = bf16(max |y|).
+// The column's maximum t of |a| + |b| is taken propagating NaN; t below
+// kBf16RoundsFinite (the least float that rounds to bfloat16 inf) says that
+// every transformed value of the column is finite (so are all earlier
+// stages: an inf or NaN there reaches t) and so is its bfloat16 rounding.
+// Otherwise -- a NaN or inf in the column, whose transformed values are then
+// all non-finite, or an overflow at |x| ~ 1e38 -- the column takes the exact
+// slow path: the last stage, the rounding and the finite test per value.
 // ---------------------------------------------------------------------------
+// The least float whose bfloat16 rounding (nearest even) is +inf: halfway
+// between bfloat16's largest finite 0x7F7F and inf (a tie, to even: inf).
+constexpr float kBf16RoundsFinite = 3.3961775292304957e38f;  // 0x7F7F8000
+
 __global__ void __launch_bounds__(kThreads)
     AmaxColumnsBf16Kernel(const AmaxArgs args) {
   const int64_t b = blockIdx.x / args.ctas_per_batch;
@@ -156,15 +169,27 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int r = 0; r < kBlock; ++r) {
           const float v = BitsToFloat(s == 0 ? w[r] << 16 : w[r] & 0xFFFF0000u);
-          plain = fmaxf(plain, fabsf(v));
+          plain = fmaxf(plain, FiniteAbsOrZero(v));
           z[r] = v * (((kRhtSignMask >> r) & 1u) ? -0.25f : 0.25f);
         }
         // HadamardButterfly16's stages h = 1, 2, 4; then the last one's
         // maxima.
         ButterflyStages(z, /*end=*/kBlock / 2);
+        float t = 0.0f;
 #pragma unroll
         for (int i = 0; i < kBlock / 2; ++i) {
-          transformed = fmaxf(transformed, fabsf(z[i]) + fabsf(z[i + 8]));
+          t = MaxPropagatingNan(t, fabsf(z[i]) + fabsf(z[i + 8]));
+        }
+        if (t < kBf16RoundsFinite) {
+          transformed = fmaxf(transformed, t);
+        } else {  // rare: see above
+#pragma unroll 1
+          for (int i = 0; i < kBlock / 2; ++i) {
+            const float hi = __bfloat162float(__float2bfloat16_rn(z[i] + z[i + 8]));
+            const float lo = __bfloat162float(__float2bfloat16_rn(z[i] - z[i + 8]));
+            transformed = fmaxf(transformed,
+                                fmaxf(FiniteAbsOrZero(hi), FiniteAbsOrZero(lo)));
+          }
         }
       }
     }

@@ -83,11 +83,17 @@ struct DequantizeArgs {
 // float32 NaN results carry bits that differ between processors: a GPU
 // writes 0x7FFFFFFF, x86-64 the "default NaN" 0xFFC00000 for an invalid
 // operation (0 * inf) and the quieted operand when one operand is NaN. A
-// dequantized value is NaN only through amax (NaN: propagated, quieted) or
-// 0 * inf (default NaN), so the CPU handler's bits are reproduced exactly.
-__device__ __forceinline__ float HostNan(float amax, uint32_t default_nan) {
-  return BitsToFloat(amax != amax ? FloatBits(amax) | 0x00400000u
-                                  : default_nan);
+// dequantized value is NaN only through amax (NaN: propagated, quieted), a
+// NaN scale byte (0x7F, a block that held a NaN or +-inf, or 0xFF: the
+// scale's NaN propagated, E4M3Decode's 0x7FC00000 or 0xFFC00000) or 0 * inf
+// (default NaN), so the CPU handler's bits are reproduced (where both amax
+// and the scale are NaN, the amax's: which operand x86 propagates then is
+// the compiler's choice).
+__device__ __forceinline__ float HostNan(float amax, float scale,
+                                         uint32_t default_nan) {
+  return BitsToFloat(amax != amax     ? FloatBits(amax) | 0x00400000u
+                     : scale != scale ? FloatBits(scale)
+                                      : default_nan);
 }
 
 template <bool kBf16Out>
@@ -98,8 +104,8 @@ __global__ void __launch_bounds__(kThreads)
        i < args.blocks; i += stride) {
     const int64_t b = Div(i, args.blocks_per_batch);
     const float a = args.amax[Div(b, args.batch_per_amax)];
-    const float multiplier =
-        BlockDecodeMultiplier(E4M3Decode(args.scales[i]), a);
+    const float scale = E4M3Decode(args.scales[i]);
+    const float multiplier = BlockDecodeMultiplier(scale, a);
     uint64_t packed = 0;
     if (args.codes_aligned) {
       packed = reinterpret_cast<const uint64_t*>(args.codes)[i];
@@ -136,7 +142,7 @@ __global__ void __launch_bounds__(kThreads)
     } else {
 #pragma unroll
       for (int j = 0; j < kBlock; ++j) {
-        if (v[j] != v[j]) v[j] = HostNan(a, args.host_default_nan);
+        if (v[j] != v[j]) v[j] = HostNan(a, scale, args.host_default_nan);
       }
       float* out = static_cast<float*>(args.out) + kBlock * i;
       if (args.out_aligned) {

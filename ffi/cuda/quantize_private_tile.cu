@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
     }
     __syncwarp();
     // 16x16 blocks: the pair's tile is one block both ways, its amax the
-    // maximum over both halves (NaN ignored, as for a 1x16 block).
+    // maximum over both halves (+inf if any element is NaN or +-inf).
     float tile_amax = 0.0f;
     if (kBlock16) {
       if (active) {
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
           for (int j = 0; j < kBlock; ++j) {
             v[j] = T::FromRaw(slice[SliceWord(r, j / 2)] >> (16 * (j % 2)));
           }
-          tile_amax = fmaxf(tile_amax, BlockAmax(v).amax);
+          tile_amax = fmaxf(tile_amax, BlockAmax(v));
         }
       }
       tile_amax = fmaxf(tile_amax, __shfl_xor_sync(0xFFFFFFFFu, tile_amax, 1));
@@ -189,9 +189,8 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
             v[2 * j + 1] = BitsToFloat(words[j] & 0xFFFF0000u);
           }
           const uint64_t signs = SignBits16Bf16(words);
-          const BlockMax block_max = BlockAmaxBf16(words, v);
-          StoreBlock(EncodeBlock(v, kBlock16 ? tile_amax : block_max.amax,
-                                 block_max.has_nan, g, row_out, kRowStochastic,
+          const float block_amax = kBlock16 ? tile_amax : BlockAmaxBf16(words);
+          StoreBlock(EncodeBlock(v, block_amax, g, row_out, kRowStochastic,
                                  key0, key1, b, mh + r, k0, &signs),
                      row_out.decoded, codes, scales);
           codes += row_codes_stride;
@@ -228,7 +227,7 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
               v[r] = BitsToFloat(__byte_perm(w[r], 0u, select));
             }
             uint64_t signs;
-            BlockMax block_max;
+            float block_amax;
             if constexpr (kColRht) {
               float y[kBlock];
               uint32_t packed[kBlock / 2];
@@ -239,16 +238,15 @@ __global__ void __launch_bounds__(kPrivThreads, kPrivCtasPerSm)
               // From the bfloat16 words, as for the rows: with the float
               // values first needed by the encode, ptxas widens them once
               // (after the division) rather than twice.
-              block_max = BlockAmaxBf16(packed, v);
+              block_amax = BlockAmaxBf16(packed);
             } else {
               signs = SignBits16(v);
-              block_max = BlockAmax(v);
+              block_amax = BlockAmax(v);
             }
-            StoreBlock(
-                EncodeBlock(v, kBlock16 ? tile_amax : block_max.amax,
-                            block_max.has_nan, g, col_out, kColStochastic, key0,
-                            key1, b, k0 + 2 * j + s, m0, &signs),
-                col_out.decoded, col_codes, col_scales);
+            StoreBlock(EncodeBlock(v, kBlock16 ? tile_amax : block_amax, g,
+                                   col_out, kColStochastic, key0, key1, b,
+                                   k0 + 2 * j + s, m0, &signs),
+                       col_out.decoded, col_codes, col_scales);
             col_codes += col_codes_stride;
             col_scales += col_scales_stride;
           }

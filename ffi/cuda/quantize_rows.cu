@@ -61,9 +61,8 @@ __global__ void __launch_bounds__(kThreads)
       LoadBlockWords<T>(args.x, next_first, kBlock, args.x_vec, w);
     }
     MaybeRht(args.out.rht, v);
-    const BlockMax block_max = BlockAmax(v);
-    float block_amax = block_max.amax;
-    if (args.out.block16) {
+    float block_amax = BlockAmax(v);  // +inf: a NaN or +-inf in the block
+    if (args.out.block16) {  // the tile's maximum: +inf if any block's is
 #pragma unroll
       for (int offset = 1; offset < 16; offset *= 2) {
         block_amax = fmaxf(block_amax,
@@ -72,8 +71,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     const int64_t b = Div(row, args.m);
     const int64_t kk = Div(b, args.key.batch_per_key);
-    EncodeAndStore(v, block_amax, block_max.has_nan, GlobalScaleOf(args.out, b),
-                   args.out, args.key.key[2 * kk], args.key.key[2 * kk + 1],
+    EncodeAndStore(v, block_amax, GlobalScaleOf(args.out, b), args.out,
+                   args.key.key[2 * kk], args.key.key[2 * kk + 1],
                    static_cast<uint64_t>(first), b, row - b * args.m,
                    first - row * args.k);
     if (next >= args.blocks) break;

@@ -192,8 +192,7 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
         float v[kBlock];
         WordsToFloats<T>(w, v);
         MaybeRht(out.rht, v);
-        const BlockMax block_max = BlockAmax(v);
-        float block_amax = block_max.amax;
+        float block_amax = BlockAmax(v);  // +inf: a NaN or +-inf in it
         if (out.block16) {  // rows 16w .. 16w + 15: lanes of equal l % 2
 #pragma unroll
           for (int offset = 2; offset < 32; offset *= 2) {
@@ -201,9 +200,9 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
                 block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, offset));
           }
         }
-        const EncodedBlock e = EncodeBlock(v, block_amax, block_max.has_nan, g,
-                                           out, out.stochastic, key0, key1,
-                                           pos.b, m, pos.k0 + kBlock * kb);
+        const EncodedBlock e =
+            EncodeBlock(v, block_amax, g, out, out.stochastic, key0, key1,
+                        pos.b, m, pos.k0 + kBlock * kb);
         smem.row_codes[r][RowCodeSlot(r, kb)] =
             make_uint2(static_cast<uint32_t>(e.packed),
                        static_cast<uint32_t>(e.packed >> 32));
@@ -218,8 +217,7 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
       // Tile column c, rows 16w .. 16w + 15, from its values v.
       const auto encode_column = [&](int c, float (&v)[kBlock]) {
         MaybeRht(out.rht, v);
-        const BlockMax block_max = BlockAmax(v);
-        float block_amax = block_max.amax;
+        float block_amax = BlockAmax(v);  // +inf: a NaN or +-inf in it
         if (out.block16) {  // columns 16g .. 16g + 15: 16 neighbouring lanes
 #pragma unroll
           for (int offset = 1; offset < 16; offset *= 2) {
@@ -227,9 +225,9 @@ __global__ void __launch_bounds__(kThreads, kTileCtasPerSm<In<T>::kBytes>)
                 block_amax, __shfl_xor_sync(0xFFFFFFFFu, block_amax, offset));
           }
         }
-        const EncodedBlock e = EncodeBlock(
-            v, block_amax, block_max.has_nan, g, out, out.stochastic, key0,
-            key1, pos.b, pos.k0 + c, pos.m0 + 16 * warp);
+        const EncodedBlock e =
+            EncodeBlock(v, block_amax, g, out, out.stochastic, key0, key1,
+                        pos.b, pos.k0 + c, pos.m0 + 16 * warp);
         smem.col_codes[c][warp] =
             make_uint2(static_cast<uint32_t>(e.packed),
                        static_cast<uint32_t>(e.packed >> 32));

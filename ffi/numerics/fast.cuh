@@ -33,19 +33,21 @@ namespace jax_nvfp4 {
 // keep their parity -- or toward zero with the _rz forms, as rintf / floorf
 // do for a >= 0), and its low 3 bits are the magnitude index. The sign bits
 // of 8 elements are gathered with 6 byte permutes (SignNibbles8) and OR-ed in
-// after packing. A NaN element gives index 7 but would keep its sign bit, so
-// a block holding a NaN (found by the NaN-propagating block maximum) is left
-// to the header's own EncodeBlock16. Checked against the header for every
-// float32 bit pattern (tools/fast_numerics_check.cu; with two random bytes
-// per pattern for stochastic rounding); the tests compare every kernel with
-// the CPU.
+// after packing. These forms serve finite blocks only: a block holding a NaN
+// or +-inf (its BlockAmax is +inf) takes the header's step 3a, scale byte
+// kNonFiniteScaleByte and codes kNonFiniteCodes, which the caller selects
+// without a branch (EncodeBlock in cuda/quantize.cuh); what the forms compute
+// for such a block is discarded. Checked against the header for every
+// float32 bit pattern of finite blocks (tools/fast_numerics_check.cu; with
+// two random bytes per pattern for stochastic rounding); the tests compare
+// every kernel with the CPU.
 //
 // RandomHadamard16Fast is the header's RandomHadamard16 (its
 // HadamardButterfly16, then the rounding to bfloat16) with the final rounding
 // to bfloat16 done by cvt.rn.bf16x2.f32, which equals RoundToBfloat16 for every
 // non-NaN float (checked exhaustively). A NaN stays a NaN with another
-// payload, which no output can show: amax ignores NaN and a block holding a
-// NaN is encoded by the header's EncodeBlock16 (NaN -> kNanCode).
+// payload, which no output can show: every amax ignores it and a block
+// holding one takes step 3a (scale byte 0x7F, codes 0).
 //
 // Building with -DJAX_NVFP4_CUDA_HEADER_ARITHMETIC uses the header's
 // EncodeBlock16 and RandomHadamard16 verbatim instead (same bytes, slower).
@@ -90,19 +92,6 @@ __device__ __forceinline__ uint32_t StochasticIndexBits(float v,
 __device__ __forceinline__ float ByteAsFloat(uint32_t word, int k) {
   return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650u + k)) - kTwo23;
 }
-
-// Blocks that hold a NaN: the header's EncodeBlock16, out of line (the
-// values travel by value, in registers).
-struct Block16 {
-  float v[kBlock];
-};
-
-static __device__ __noinline__ uint64_t
-EncodeBlock16WithNan(Block16 block, float encode_multiplier, bool stochastic,
-                     uint64_t random_lo, uint64_t random_hi) {
-  return EncodeBlock16(block.v, encode_multiplier, stochastic, random_lo,
-                       random_hi);
-}
 #endif  // !JAX_NVFP4_CUDA_HEADER_ARITHMETIC
 
 // Sign bits of s[0..7] at bits 4i + 3 (the code layout): the top bytes of
@@ -141,8 +130,8 @@ __device__ __forceinline__ uint64_t SignBits16Bf16(const uint32_t* w) {
 }
 
 #if !defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
-// The codes of EncodeBlock16 with the sign bits clear, for a block without
-// NaN, from the scaled values v[i] * encode_multiplier.
+// The codes of EncodeBlock16 with the sign bits clear, for a finite block,
+// from the scaled values v[i] * encode_multiplier.
 __device__ __forceinline__ uint64_t
 MagnitudeCodes16(const float (&scaled)[kBlock], bool stochastic,
                  uint64_t random_lo, uint64_t random_hi, bool below_seven) {
@@ -175,27 +164,21 @@ MagnitudeCodes16(const float (&scaled)[kBlock], bool stochastic,
 }
 #endif  // !JAX_NVFP4_CUDA_HEADER_ARITHMETIC
 
-// EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi).
-// `has_nan`: an element of v is NaN. `below_seven` (round to nearest only):
+// EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi) for
+// a finite block (anything, unused, for a block holding a NaN or +-inf: the
+// caller writes kNonFiniteCodes there). `below_seven` (round to nearest only):
 // every |v[i]| * encode_multiplier is below 7 -- true when the block's amax
 // times the multiplier is (rounding is monotonic), i.e. for every block
 // whose scale neither saturates nor underflows. `sign_bits`, when given:
 // the sign bit of each v[i] at bit 4i + 3 (SignBits16Bf16 of the block's
 // bfloat16 words), else taken from v.
 __device__ __forceinline__ uint64_t EncodeBlock16Fast(
-    const float (&v)[kBlock], float encode_multiplier, bool has_nan,
-    bool stochastic, uint64_t random_lo, uint64_t random_hi,
-    bool below_seven = false, const uint64_t* sign_bits = nullptr) {
+    const float (&v)[kBlock], float encode_multiplier, bool stochastic,
+    uint64_t random_lo, uint64_t random_hi, bool below_seven = false,
+    const uint64_t* sign_bits = nullptr) {
 #if defined(JAX_NVFP4_CUDA_HEADER_ARITHMETIC)
   return EncodeBlock16(v, encode_multiplier, stochastic, random_lo, random_hi);
 #else
-  if (has_nan) {
-    Block16 block;
-#pragma unroll
-    for (int i = 0; i < kBlock; ++i) block.v[i] = v[i];
-    return EncodeBlock16WithNan(block, encode_multiplier, stochastic, random_lo,
-                                random_hi);
-  }
   float scaled[kBlock];
 #pragma unroll
   for (int i = 0; i < kBlock; ++i) scaled[i] = v[i] * encode_multiplier;
@@ -247,40 +230,21 @@ __device__ __forceinline__ void RandomHadamard16Fast(const float (&x)[kBlock],
 }
 
 // ---------------------------------------------------------------------------
-// Block maxima for the block scales: the largest |v[i]| with NaN ignored
-// (as the CPU handlers take it), and whether the block holds a NaN.
+// Block maxima for the block scales (step 3 of numerics/nvfp4.h): the
+// largest |v[i]|, +inf when the block holds a NaN or +-inf -- the header's
+// BlockAmaxStep loop. One NaN-propagating maximum tree (max.NaN: a NaN or an
+// inf reaches the root), then fminf(root, +inf), which turns a NaN root into
+// +inf: one instruction, no branch, and a 16x16 tile's maximum over its
+// blocks (plain fmaxf) stays +inf when any block is. BlockIsNonFinite tests
+// the result (EncodeBlock).
 // ---------------------------------------------------------------------------
-// fmaxf over fabsf(v[i]) from 0.0f; a tree (the maximum of values >= +0,
-// NaN ignored, does not depend on the order).
-__device__ __forceinline__ float BlockAmaxIgnoringNan(
-    const float (&v)[kBlock]) {
-  float a[kBlock / 2];
-#pragma unroll
-  for (int i = 0; i < kBlock / 2; ++i) {
-    a[i] = fmaxf(fmaxf(0.0f, fabsf(v[i])), fabsf(v[i + kBlock / 2]));
-  }
-#pragma unroll
-  for (int n = kBlock / 4; n > 0; n /= 2) {
-#pragma unroll
-    for (int i = 0; i < n; ++i) a[i] = fmaxf(a[i], a[i + n]);
-  }
-  return a[0];
-}
-
 __device__ __forceinline__ float MaxPropagatingNan(float a, float b) {
   float r;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
 
-struct BlockMax {
-  float amax;    // max |v[i]|, NaN ignored
-  bool has_nan;  // some v[i] is NaN
-};
-
-// The block's amax and whether it holds a NaN, with one NaN-propagating
-// maximum tree (the NaN-ignoring one is recomputed only for such blocks).
-__device__ __forceinline__ BlockMax BlockAmax(const float (&v)[kBlock]) {
+__device__ __forceinline__ float BlockAmax(const float (&v)[kBlock]) {
   float a[kBlock / 2];
 #pragma unroll
   for (int i = 0; i < kBlock / 2; ++i) {
@@ -291,18 +255,17 @@ __device__ __forceinline__ BlockMax BlockAmax(const float (&v)[kBlock]) {
 #pragma unroll
     for (int i = 0; i < n; ++i) a[i] = MaxPropagatingNan(a[i], a[i + n]);
   }
-  if (a[0] != a[0]) return {BlockAmaxIgnoringNan(v), true};
-  return {a[0], false};
+  return fminf(a[0], INFINITY);
 }
 
-// BlockAmax of the 16 bfloat16 values in w[0..7] (v: the same values as
-// floats), the maximum taken on bfloat16 pairs (exact: no rounding), so
-// that it needs only the words. NaN propagates through max.NaN.bf16x2.
-// Like BlockAmax's max.NaN.f32 (no .ftz), it can return a subnormal maximum
-// where the header's fmaxf (flushing) returns 0; every use multiplies it
-// first (the block scale, the below-seven test), which flushes it.
-__device__ __forceinline__ BlockMax
-BlockAmaxBf16(const uint32_t (&w)[kBlock / 2], const float (&v)[kBlock]) {
+// BlockAmax of the 16 bfloat16 values in w[0..7], the maximum taken on
+// bfloat16 pairs (exact: no rounding), so that it needs only the words. NaN
+// propagates through max.NaN.bf16x2, inf as the largest value.
+// Like BlockAmax's max.NaN.f32 (no .ftz), the tree may keep a subnormal
+// maximum where the header's loop (flushing) has 0; the final fminf (built
+// with -ftz=true) and every use (the block scale, the below-seven test)
+// multiply or flush it, so the bytes agree.
+__device__ __forceinline__ float BlockAmaxBf16(const uint32_t (&w)[kBlock / 2]) {
   __nv_bfloat162 m[kBlock / 4];
 #pragma unroll
   for (int i = 0; i < kBlock / 4; ++i) {
@@ -312,10 +275,16 @@ BlockAmaxBf16(const uint32_t (&w)[kBlock / 2], const float (&v)[kBlock]) {
   }
   m[0] = __hmax2_nan(__hmax2_nan(m[0], m[2]), __hmax2_nan(m[1], m[3]));
   const uint32_t bits = *reinterpret_cast<const uint32_t*>(&m[0]);
-  const float amax = MaxPropagatingNan(BitsToFloat(bits << 16),
-                                       BitsToFloat(bits & 0xFFFF0000u));
-  if (amax != amax) return {BlockAmaxIgnoringNan(v), true};
-  return {amax, false};
+  return fminf(MaxPropagatingNan(BitsToFloat(bits << 16),
+                                 BitsToFloat(bits & 0xFFFF0000u)),
+               INFINITY);
+}
+
+// |v| where v is finite, else 0 (NaN and +-inf): the terms of the global
+// amax (step 1, the header's MaxAbsFinite), for a plain fmaxf reduction.
+__device__ __forceinline__ float FiniteAbsOrZero(float v) {
+  const float a = fabsf(v);
+  return a < INFINITY ? a : 0.0f;
 }
 
 // A block scale: its E4M3 value (as a float) and byte.

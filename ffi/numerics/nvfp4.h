@@ -12,13 +12,33 @@
 // bfloat16 subnormal input quantizes as a (signed) zero.
 //
 // The normative spec is "Numerics" in DESIGN.md (NVIDIA Transformer Engine's
-// NVFP4BlockScaling recipe). Documented edge cases, identical on every backend:
-//   * NaN elements are ignored by every amax (fmaxf semantics) and encode as
-//     code 0x7 (+6) whatever their sign bit.
-//   * +-inf elements saturate to +-6; an infinite amax gives S_enc = 1.
+// NVFP4BlockScaling recipe). Quantizing x along its quantized axis:
+//   1. A = max |x_i| over the FINITE elements of the whole tensor (NaN and
+//      +-inf excluded; MaxAbsFinite); with the RHT, over the finite
+//      transformed values. No finite element: A = 0.
+//   2. S_enc = min(2688 / A, FLT_MAX), 1 if A == 0 or S_enc == 0; S_dec =
+//      1 / S_enc (GlobalScaleFromAmax).
+//   3. Per block (1x16, or a 16x16 tile), after the RHT where it applies:
+//      bamax = max |x_i| over the block, a NaN or +-inf counting as +inf
+//      (BlockAmaxStep).
+//      3a. bamax == +inf (the block holds a NaN or +-inf; BlockIsNonFinite):
+//          scale byte 0x7F (the E4M3 NaN, kNonFiniteScaleByte) and every
+//          code 0 (kNonFiniteCodes, in every row of a tile); its values
+//          dequantize to NaN (e2m1 * NaN) and every GEMM output summing over
+//          the block is NaN. Steps 4 and 5 do not apply.
+//      3b. otherwise s_b = e4m3(min(bamax * (S_enc * (1/6)), FLT_MAX))
+//          (BlockScale).
+//   4. enc_b = min(1 / (s_b * S_dec), FLT_MAX) (BlockEncodeMultiplier).
+//   5. q_i = e2m1(x_i * enc_b), nearest even or stochastic (EncodeBlock16).
+// BlockScaleOf does steps 3a/3b and 4 from bamax. A finite tensor never
+// takes 3a (unless its RHT overflows: |x| ~ 1e38), so its bytes are those of
+// TE's recipe.
+// Documented edge cases, identical on every backend:
 //   * -0.0 (and negative values that round to zero) keep their sign: code 0x8.
 //   * A block whose E4M3 scale rounds to 0 gets enc_b = FLT_MAX; its values
 //     dequantize to (signed) zero.
+//   * The element roundings map NaN to code 0x7 (kNanCode); no quantize
+//     reaches that (a block holding a NaN takes step 3a).
 #ifndef JAX_NVFP4_FFI_NUMERICS_NVFP4_H_
 #define JAX_NVFP4_FFI_NUMERICS_NVFP4_H_
 
@@ -39,7 +59,10 @@ inline constexpr int kBlock = 16;              // elements per scale block
 inline constexpr float kE4M3Max = 448.0f;      // largest finite E4M3 value
 inline constexpr float kE2M1Max = 6.0f;        // largest E2M1 magnitude
 inline constexpr float kScaleRange = 2688.0f;  // kE4M3Max * kE2M1Max
-inline constexpr uint8_t kNanCode = 0x7;       // NaN encodes as +6
+inline constexpr uint8_t kNanCode = 0x7;  // E2M1Round*(NaN) (see above)
+// Step 3a: the scale byte and the codes of a block holding a NaN or +-inf.
+inline constexpr uint8_t kNonFiniteScaleByte = 0x7F;  // float8_e4m3fn NaN
+inline constexpr uint64_t kNonFiniteCodes = 0;        // every nibble 0
 
 NVFP4_HD uint32_t FloatBits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -114,8 +137,9 @@ NVFP4_HD uint8_t E4M3Encode(float v) {
   return static_cast<uint8_t>((exponent << 3) | ((bits >> 20) & 0x7u));
 }
 
-// float8_e4m3fn: no infinities; 0x7F and 0xFF are NaN (no quantize writes
-// them: scales saturate at 448, 0x7E).
+// float8_e4m3fn: no infinities; 0x7F and 0xFF are NaN (a quantize writes
+// 0x7F only for a block holding a NaN or +-inf, step 3a; finite scales
+// saturate at 448, 0x7E).
 NVFP4_HD float E4M3Decode(uint8_t byte) {
   const uint32_t exponent = (byte >> 3) & 0xFu;
   const uint32_t mantissa = byte & 0x7u;
@@ -130,11 +154,31 @@ NVFP4_HD float E4M3Decode(uint8_t byte) {
   return (byte & 0x80u) ? -magnitude : magnitude;
 }
 
-// max(acc, |v|) ignoring NaN (acc >= 0, never NaN). Written as a compare:
-// glibc's fmaxf returns NaN for a signaling NaN operand.
-NVFP4_HD float MaxAbsIgnoringNan(float acc, float v) {
+// Whether v is finite: not NaN, not +-inf (its exponent bits not all set).
+NVFP4_HD bool IsFinite(float v) {
+  return (FloatBits(v) & 0x7F800000u) != 0x7F800000u;
+}
+
+// Step 1, the global amax: max(acc, |v|) over finite v only (NaN and +-inf
+// ignored; acc >= 0, finite). Written as compares: glibc's fmaxf returns NaN
+// for a signaling NaN operand.
+NVFP4_HD float MaxAbsFinite(float acc, float v) {
   const float a = fabsf(v);
+  return (a > acc && IsFinite(v)) ? a : acc;
+}
+
+// Step 3, the block amax: max(acc, |v|) with a NaN or +-inf counting as
+// +inf, so that a block's (or tile's) maximum is +inf exactly when it holds
+// a non-finite element (a plain maximum of such partial results keeps that).
+NVFP4_HD float BlockAmaxStep(float acc, float v) {
+  const float a = IsFinite(v) ? fabsf(v) : INFINITY;
   return a > acc ? a : acc;
+}
+
+// Step 3a's test on a block amax made by BlockAmaxStep (or by any maximum
+// that gives +inf or NaN for a non-finite block).
+NVFP4_HD bool BlockIsNonFinite(float block_amax) {
+  return !(block_amax < INFINITY);
 }
 
 // Per-block scale s_b (as a float E4M3 value) from the block's amax.
@@ -146,6 +190,24 @@ NVFP4_HD float BlockScale(float block_amax, GlobalScale g) {
 // Multiplier that maps a block's values onto the E2M1 grid.
 NVFP4_HD float BlockEncodeMultiplier(float block_scale, GlobalScale g) {
   return fminf(1.0f / (block_scale * g.decode), FLT_MAX);
+}
+
+// Steps 3a/3b and 4 of a block from its amax (BlockAmaxStep): its scale
+// (NaN for a non-finite block), the scale byte, the encode multiplier
+// (unused for a non-finite block, whose codes are kNonFiniteCodes).
+struct BlockScaling {
+  float scale;
+  uint8_t scale_byte;
+  float multiplier;
+  bool non_finite;
+};
+
+NVFP4_HD BlockScaling BlockScaleOf(float block_amax, GlobalScale g) {
+  if (BlockIsNonFinite(block_amax)) {
+    return {BitsToFloat(0x7FC00000u), kNonFiniteScaleByte, 1.0f, true};
+  }
+  const float scale = BlockScale(block_amax, g);
+  return {scale, E4M3Encode(scale), BlockEncodeMultiplier(scale, g), false};
 }
 
 // Dequantization multiplier of a block: s_b * amax / 2688.
@@ -189,7 +251,8 @@ NVFP4_HD float E2M1IndexMin(float c1, float c2, float c3) {
 
 // Round to nearest, ties to even, saturating at +-6. Ties: 0.25->0, 0.75->1,
 // 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4. NaN -> kNanCode (fminf drops the
-// NaN candidates, leaving 7; the sign is not kept).
+// NaN candidates, leaving 7; the sign is not kept): not reached by a
+// quantize, whose blocks holding a NaN take step 3a.
 NVFP4_HD uint8_t E2M1RoundNearest(float v) {
   const float a = fabsf(v);
   const float index =
@@ -371,8 +434,9 @@ NVFP4_HD void RandomBytes16(uint32_t key0, uint32_t key1, uint32_t stream,
 }
 
 // ---------------------------------------------------------------------------
-// One 16-element block: codes (packed, element 2k in the low nibble of byte
-// k) from the block's values, its scale and the global scale.
+// Step 5 of one 16-element block: codes (packed, element 2k in the low
+// nibble of byte k) from the block's values and its encode multiplier. For a
+// finite block (a non-finite one has kNonFiniteCodes, step 3a).
 // ---------------------------------------------------------------------------
 NVFP4_HD uint64_t EncodeBlock16(const float v[kBlock], float encode_multiplier,
                                 bool stochastic, uint64_t random_lo,
