@@ -267,7 +267,10 @@ def test_documented_edge_behaviour():
     # Non-finite (the rule, numerics/nvfp4.h step 3a): the amax is the max
     # over the finite |x|; the block holding an inf or a NaN gets the NaN
     # scale byte 0x7F and codes 0, the other blocks are untouched.
-    for case, bad in (("inf", [(3, 0), (9, 1)]), ("nan", [(2, 0), (4, 2), (6, 1), (10, 0)])):
+    for case, bad in (
+        ("inf", [(3, 0), (9, 1)]),
+        ("nan", [(2, 0), (4, 2), (6, 1), (10, 0)]),
+    ):
         x = _edge_case(case)
         t = nv.quantize(x)
         finite = np.asarray(x)[np.isfinite(np.asarray(x))]
