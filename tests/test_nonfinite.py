@@ -103,6 +103,17 @@ def test_quantize_marks_exactly_the_nonfinite_blocks(dtype, block, rht, rounding
     check_nonfinite_tensor(got, x, axis, block)
     if not rht:
         assert np.asarray(got.amax) == finite_amax(x)
+    # The other blocks: the bytes of x with its non-finite elements zeroed.
+    zeroed = jax.jit(lambda x, k: nv.quantize(x, key=k, **kw))(
+        jnp.where(jnp.isfinite(x), x, 0), key
+    )
+    bad = bad_blocks(x, axis, block)
+    np.testing.assert_array_equal(got.amax, zeroed.amax)
+    np.testing.assert_array_equal(_scale_bytes(got)[~bad], _scale_bytes(zeroed)[~bad])
+    np.testing.assert_array_equal(
+        np.asarray(got.codes).reshape(*bad.shape, 8)[~bad],
+        np.asarray(zeroed.codes).reshape(*bad.shape, 8)[~bad],
+    )
     assert_same_values(
         nv.dequantize(got, jnp.float32),
         on_cpu(
