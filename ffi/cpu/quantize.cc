@@ -44,10 +44,10 @@ void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
                         &random_hi);
         }
         const uint64_t packed =
-            s.non_finite ? kNonFiniteCodes
-                         : EncodeBlock16(&q[r * len + kb * kBlock],
-                                         s.multiplier, options.stochastic,
-                                         random_lo, random_hi);
+            s.non_finite
+                ? kNonFiniteCodes
+                : EncodeBlock16(&q[r * len + kb * kBlock], s.multiplier,
+                                options.stochastic, random_lo, random_hi);
         for (int byte = 0; byte < 8; ++byte) {
           codes[r * (len / 2) + kb * 8 + byte] =
               static_cast<uint8_t>(packed >> (8 * byte));

@@ -182,13 +182,15 @@ __global__ void __launch_bounds__(kThreads)
         }
         if (t < kBf16RoundsFinite) {
           transformed = fmaxf(transformed, t);
-        } else {  // rare: see above
-#pragma unroll 1
+        } else {  // rare: see above (unrolled: z stays in registers)
+#pragma unroll
           for (int i = 0; i < kBlock / 2; ++i) {
-            const float hi = __bfloat162float(__float2bfloat16_rn(z[i] + z[i + 8]));
-            const float lo = __bfloat162float(__float2bfloat16_rn(z[i] - z[i + 8]));
-            transformed = fmaxf(transformed,
-                                fmaxf(FiniteAbsOrZero(hi), FiniteAbsOrZero(lo)));
+            const float hi =
+                __bfloat162float(__float2bfloat16_rn(z[i] + z[i + 8]));
+            const float lo =
+                __bfloat162float(__float2bfloat16_rn(z[i] - z[i + 8]));
+            transformed = fmaxf(
+                transformed, fmaxf(FiniteAbsOrZero(hi), FiniteAbsOrZero(lo)));
           }
         }
       }

@@ -70,34 +70,37 @@ struct EncodedBlock {
 // Quantizes one 16-element block (already transformed) whose scale comes
 // from `block_amax` (BlockAmax, or a 16x16 tile's maximum of those: +inf
 // when the block or tile holds a NaN or +-inf, which then gets the header's
-// step 3a, scale byte 0x7F and codes 0, by selects after the finite
-// arithmetic: no branch), with stochastic rounding when `stochastic` (out's
-// option, or a constant the caller knows it equals). v[0] is element
+// step 3a: scale byte 0x7F and codes 0), with stochastic rounding when
+// `stochastic` (out's option, or a constant the caller knows it equals).
+// v[0] is element
 // (b, r, l) of the output [batch, rows, len]; its index in the whole tensor
 // picks the stochastic-rounding bits. `sign_bits`: see EncodeBlock16Fast.
 __device__ __forceinline__ EncodedBlock EncodeBlock(
     const float (&v)[kBlock], float block_amax, GlobalScale g,
     const OutputArgs& out, bool stochastic, uint32_t key0, uint32_t key1,
     int64_t b, int64_t r, int64_t l, const uint64_t* sign_bits = nullptr) {
-  const bool non_finite = BlockIsNonFinite(block_amax);  // step 3a
-  // Step 3b (for +inf: 448, a finite multiplier; discarded below).
+  // Steps 3a/3b: for a non-finite block NaN and byte 0x7F, told by the byte
+  // alone (no finite block has it). Step 3a's codes by a branch rather than
+  // a select after the encoding: nothing stays live across the encoding (a
+  // select spills registers in the stochastic instantiations of
+  // QuantizePrivateTileKernel), and for finite data it is warp-uniform.
   const BlockScaleE4M3 scale = BlockScaleFast(block_amax, g);
   const float multiplier = BlockEncodeMultiplier(scale.value, g);
-  uint64_t packed;
-  if (stochastic) {
-    const uint64_t block =
-        GlobalRandomIndex(out.origin, out.place, out.cols, b, r, l) / kBlock;
-    uint64_t random_lo, random_hi;
-    RandomBytes16(key0, key1, out.stream, block, &random_lo, &random_hi);
-    packed = EncodeBlock16Fast(v, multiplier, /*stochastic=*/true, random_lo,
-                               random_hi, /*below_seven=*/false, sign_bits);
-  } else {
-    packed = EncodeBlock16Fast(v, multiplier, /*stochastic=*/false, 0, 0,
-                               block_amax * multiplier < 7.0f, sign_bits);
+  uint64_t packed = kNonFiniteCodes;
+  if (scale.byte != kNonFiniteScaleByte) {  // steps 4 and 5
+    if (stochastic) {
+      const uint64_t block =
+          GlobalRandomIndex(out.origin, out.place, out.cols, b, r, l) / kBlock;
+      uint64_t random_lo, random_hi;
+      RandomBytes16(key0, key1, out.stream, block, &random_lo, &random_hi);
+      packed = EncodeBlock16Fast(v, multiplier, /*stochastic=*/true, random_lo,
+                                 random_hi, /*below_seven=*/false, sign_bits);
+    } else {
+      packed = EncodeBlock16Fast(v, multiplier, /*stochastic=*/false, 0, 0,
+                                 block_amax * multiplier < 7.0f, sign_bits);
+    }
   }
-  return {non_finite ? kNonFiniteCodes : packed,
-          non_finite ? kNonFiniteScaleByte : scale.byte,
-          non_finite ? BitsToFloat(0x7FC00000u) : scale.value};
+  return {packed, scale.byte, scale.value};
 }
 
 // Stores 8 code bytes at `codes` (a multiple of 8 bytes into the output).
@@ -113,12 +116,14 @@ __device__ __forceinline__ void StoreCodes(uint8_t* codes, uint64_t packed,
   }
 }
 
-__device__ __forceinline__ void EncodeAndStore(
-    const float (&v)[kBlock], float block_amax, GlobalScale g,
-    const OutputArgs& out, uint32_t key0, uint32_t key1, uint64_t flat,
-    int64_t b, int64_t r, int64_t l) {
-  const EncodedBlock e = EncodeBlock(v, block_amax, g, out,
-                                     out.stochastic, key0, key1, b, r, l);
+__device__ __forceinline__ void EncodeAndStore(const float (&v)[kBlock],
+                                               float block_amax, GlobalScale g,
+                                               const OutputArgs& out,
+                                               uint32_t key0, uint32_t key1,
+                                               uint64_t flat, int64_t b,
+                                               int64_t r, int64_t l) {
+  const EncodedBlock e =
+      EncodeBlock(v, block_amax, g, out, out.stochastic, key0, key1, b, r, l);
   StoreCodes(out.codes + flat / 2, e.packed, out.codes_aligned);
   out.scales[flat / kBlock] = e.scale;
 }

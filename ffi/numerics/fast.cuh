@@ -265,7 +265,8 @@ __device__ __forceinline__ float BlockAmax(const float (&v)[kBlock]) {
 // maximum where the header's loop (flushing) has 0; the final fminf (built
 // with -ftz=true) and every use (the block scale, the below-seven test)
 // multiply or flush it, so the bytes agree.
-__device__ __forceinline__ float BlockAmaxBf16(const uint32_t (&w)[kBlock / 2]) {
+__device__ __forceinline__ float BlockAmaxBf16(
+    const uint32_t (&w)[kBlock / 2]) {
   __nv_bfloat162 m[kBlock / 4];
 #pragma unroll
   for (int i = 0; i < kBlock / 4; ++i) {
@@ -315,10 +316,19 @@ __device__ __forceinline__ BlockScaleE4M3 E4M3FromFloat(float v) {
 #endif
 }
 
-// BlockScale(block_amax, g) and its byte.
+// The header's BlockScaleOf(block_amax, g) scale and byte: BlockScale and
+// its byte, or for a non-finite block (block_amax +inf, see BlockAmax) NaN
+// and kNonFiniteScaleByte (step 3a; selected, no branch). The finite path
+// never gives the byte 0x7F (scales saturate at 448, 0x7E), so a caller can
+// tell step 3a from the byte alone, which it keeps anyway: no flag stays
+// live across the encoding (EncodeBlock, cuda/quantize.cuh).
 __device__ __forceinline__ BlockScaleE4M3 BlockScaleFast(float block_amax,
                                                          GlobalScale g) {
-  return E4M3FromFloat(fminf(block_amax * (g.encode * (1.0f / 6.0f)), FLT_MAX));
+  const BlockScaleE4M3 finite =
+      E4M3FromFloat(fminf(block_amax * (g.encode * (1.0f / 6.0f)), FLT_MAX));
+  const bool non_finite = BlockIsNonFinite(block_amax);
+  return {non_finite ? BitsToFloat(0x7FC00000u) : finite.value,
+          non_finite ? kNonFiniteScaleByte : finite.byte};
 }
 
 }  // namespace jax_nvfp4

@@ -59,7 +59,7 @@ inline constexpr int kBlock = 16;              // elements per scale block
 inline constexpr float kE4M3Max = 448.0f;      // largest finite E4M3 value
 inline constexpr float kE2M1Max = 6.0f;        // largest E2M1 magnitude
 inline constexpr float kScaleRange = 2688.0f;  // kE4M3Max * kE2M1Max
-inline constexpr uint8_t kNanCode = 0x7;  // E2M1Round*(NaN) (see above)
+inline constexpr uint8_t kNanCode = 0x7;       // E2M1Round*(NaN) (see above)
 // Step 3a: the scale byte and the codes of a block holding a NaN or +-inf.
 inline constexpr uint8_t kNonFiniteScaleByte = 0x7F;  // float8_e4m3fn NaN
 inline constexpr uint64_t kNonFiniteCodes = 0;        // every nibble 0
