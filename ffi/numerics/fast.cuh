@@ -35,9 +35,9 @@ namespace jax_nvfp4 {
 // of 8 elements are gathered with 6 byte permutes (SignNibbles8) and OR-ed in
 // after packing. These forms serve finite blocks only: a block holding a NaN
 // or +-inf (its BlockAmax is +inf) takes the header's step 3a, scale byte
-// kNonFiniteScaleByte and codes kNonFiniteCodes, which the caller selects
-// without a branch (EncodeBlock in cuda/quantize.cuh); what the forms compute
-// for such a block is discarded. Checked against the header for every
+// kNonFiniteScaleByte and codes kNonFiniteCodes, and the caller skips these
+// forms for it (EncodeBlock in cuda/quantize.cuh: a branch on the scale
+// byte, warp-uniform for finite data). Checked against the header for every
 // float32 bit pattern of finite blocks (tools/fast_numerics_check.cu; with
 // two random bytes per pattern for stochastic rounding); the tests compare
 // every kernel with the CPU.
