@@ -20,14 +20,18 @@ import dataclasses
 import fnmatch
 import functools
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jax_nvfp4.recipe import NVFP4, Recipe
 
-__all__ = ["Policy", "path_string", "transformer_policy"]
+__all__ = ["Policy", "path_string", "transformer_policy", "warn_unmatched_rules"]
 
-DEFAULT_BLOCK_PATTERN = r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)"
+# A block index is a number after one of these names, joined by "." or "_":
+# layers.3, layers_3, layer.3, blocks.3, block_3, h.3 (GPT-2), anywhere in the
+# path ("model.decoder.layers_3.mlp").
+DEFAULT_BLOCK_PATTERN = r"(?:^|\.)(?:layers|layer|blocks|block|h)[._](\d+)(?:\.|$)"
 
 
 def _path_part(part: Any) -> str:
@@ -169,6 +173,43 @@ class Policy:
                 return recipe
         return self.default
 
+    def stack_recipes(self, path: str, size: int) -> tuple[Recipe | None, ...]:
+        """The recipe of each layer of a stack: ``size`` layers held as one
+        module with a leading layer axis (``nnx.vmap``- or
+        ``eqx.filter_vmap``-built, run by a scan), whose ``path`` has no index.
+
+        Entry i is layer i's recipe. The rules see the stack's path, so every
+        entry gets the same recipe, except that ``keep_last`` puts the last
+        ``keep_last`` layers of a stack of ``num_layers`` blocks in bf16
+        (``None``). A stack inside one block (its path has a block index) is
+        decided as a whole. A stack of another size cannot be told apart from
+        the model's blocks: with ``keep_last`` that raises a ``ValueError``.
+        """
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be an int >= 1, got {size!r}")
+        recipe = self.recipe_for(path)
+        if not self.keep_last or self.block_index(path) is not None:
+            return (recipe,) * size
+        if size != self.num_layers:
+            raise ValueError(
+                f"{path!r} is a stack of {size} layers, but the policy keeps the "
+                f"last {self.keep_last} of num_layers={self.num_layers} blocks in "
+                "bf16 and cannot tell which layers of this stack those are. Stack "
+                "all num_layers blocks in one stack, split the stack (the last "
+                "blocks unstacked, with an index in their path), or use keep_last=0"
+            )
+        first_kept = self.num_layers - self.keep_last
+        return tuple(recipe if i < first_kept else None for i in range(size))
+
+    def unmatched_rules(self, paths: Iterable[str]) -> list[str]:
+        """The rule globs that match none of ``paths`` (a typo, most often)."""
+        paths = list(paths)
+        return [
+            glob
+            for glob, _ in self.rules
+            if not any(fnmatch.fnmatchcase(path, glob) for path in paths)
+        ]
+
     def assign(self, paths: Iterable[str]) -> dict[str, Recipe | None]:
         """``{path: recipe_for(path)}`` for each path (to print or log a plan)."""
         return {path: self.recipe_for(path) for path in paths}
@@ -208,4 +249,21 @@ def transformer_policy(
         default=None,
         keep_last=keep_last,
         num_layers=num_layers,
+    )
+
+
+def warn_unmatched_rules(policy: Policy, paths: Sequence[str], stacklevel: int = 3):
+    """Warns once per rule of ``policy`` that matches none of ``paths`` (the
+    linear layers a converter found), listing those paths so that the glob can
+    be fixed."""
+    unmatched = policy.unmatched_rules(paths)
+    if not unmatched:
+        return
+    found = ", ".join(paths[:20]) + (", ..." if len(paths) > 20 else "")
+    warnings.warn(
+        f"policy rules {unmatched} match no linear layer of this model; its "
+        f"linear layers are at: {found or '(none)'}. Globs match the whole path "
+        "('*' also matches '.'), e.g. '*mlp*'",
+        UserWarning,
+        stacklevel=stacklevel,
     )

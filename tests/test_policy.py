@@ -4,7 +4,12 @@ import jax
 import pytest
 
 from jax_nvfp4 import NVFP4, NVFP4_NO_RHT, Recipe
-from jax_nvfp4.policy import Policy, path_string, transformer_policy
+from jax_nvfp4.policy import (
+    Policy,
+    path_string,
+    transformer_policy,
+    warn_unmatched_rules,
+)
 
 WGRAD_BF16 = Recipe(wgrad=False)
 
@@ -89,8 +94,52 @@ def test_block_pattern():
     assert default.block_index("decoder.layers.12.mlp") == 12
     assert default.block_index("blocks.7") == 7
     assert default.block_index("h.3.attn") == 3
-    assert default.block_index("layers_3.mlp") is None
+    # The common shapes of a block's path in Flax, Equinox and Hugging Face.
+    for path in (
+        "layers.3.mlp",
+        "layers_3.mlp",
+        "decoder.layers_3.mlp.wi",
+        "layer.3.ffn",
+        "h.3.mlp.c_fc",
+        "blocks.3",
+        "block_3.mlp",
+        "model.layers.3.mlp.up_proj",
+    ):
+        assert default.block_index(path) == 3, path
     assert default.block_index("mylayers.3.mlp") is None
+    assert default.block_index("layers3.mlp") is None
+    # A stacked (scanned) model's paths have no index.
+    assert default.block_index("model.layers.mlp.up") is None
+
+
+def test_transformer_policy_keep_last_for_every_path_shape():
+    policy = transformer_policy(4, keep_last=1)
+    for last in ("layer.3.mlp.up", "decoder.layers_3.mlp.wi", "h.3.mlp.c_fc"):
+        assert policy.recipe_for(last) is None, last
+    for first in ("layer.0.mlp.up", "decoder.layers_2.mlp.wi", "h.1.mlp.c_fc"):
+        assert policy.recipe_for(first) is NVFP4, first
+
+
+def test_stack_recipes():
+    policy = transformer_policy(4, keep_last=1)
+    assert policy.stack_recipes("layers.mlp.up", 4) == (NVFP4,) * 3 + (None,)
+    assert policy.stack_recipes("layers.attn.q", 4) == (None,) * 4
+    # A stack inside one block is decided by the block's index.
+    assert policy.stack_recipes("layers.3.mlp.experts", 2) == (None, None)
+    assert policy.stack_recipes("layers.1.mlp.experts", 2) == (NVFP4, NVFP4)
+    with pytest.raises(ValueError, match="stack of 3 layers.*split the stack"):
+        policy.stack_recipes("layers.mlp.up", 3)
+    assert transformer_policy(4, keep_last=0).stack_recipes("x.mlp", 3) == (NVFP4,) * 3
+    with pytest.raises(ValueError, match="size"):
+        policy.stack_recipes("layers.mlp.up", 0)
+
+
+def test_unmatched_rules_warn_with_the_paths_found():
+    policy = Policy(rules=[("*mpl*", NVFP4), ("*attn*", None)])
+    paths = ["layers.0.mlp.up", "layers.0.attn.q"]
+    assert policy.unmatched_rules(paths) == ["*mpl*"]
+    with pytest.warns(UserWarning, match=r"\['\*mpl\*'\].*layers.0.mlp.up"):
+        warn_unmatched_rules(policy, paths)
 
 
 def test_assign_and_value_semantics():
