@@ -253,17 +253,21 @@ def transformer_policy(
 
 
 def warn_unmatched_rules(policy: Policy, paths: Sequence[str], stacklevel: int = 3):
-    """Warns once per rule of ``policy`` that matches none of ``paths`` (the
-    linear layers a converter found), listing those paths so that the glob can
-    be fixed."""
+    """Warns when none of the rules of ``policy`` matches any of ``paths`` (the
+    linear layers a converter found), listing those paths so that the globs
+    can be fixed. (One unmatched rule among matching ones is normal: the
+    default policy's globs are alternatives; ``Policy.unmatched_rules`` lists
+    them.)"""
+    if not policy.rules:
+        return
     unmatched = policy.unmatched_rules(paths)
-    if not unmatched:
+    if len(unmatched) < len(policy.rules):
         return
     found = ", ".join(paths[:20]) + (", ..." if len(paths) > 20 else "")
     warnings.warn(
-        f"policy rules {unmatched} match no linear layer of this model; its "
-        f"linear layers are at: {found or '(none)'}. Globs match the whole path "
-        "('*' also matches '.'), e.g. '*mlp*'",
+        f"no rule of the policy ({unmatched}) matches a linear layer of this "
+        f"model; its linear layers are at: {found or '(none)'}. Globs match the "
+        "whole path ('*' also matches '.'), e.g. '*mlp*'",
         UserWarning,
         stacklevel=stacklevel,
     )

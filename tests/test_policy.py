@@ -1,5 +1,7 @@
 """The precision policy: path normalisation, rule order, defaults, errors."""
 
+import warnings
+
 import jax
 import pytest
 
@@ -135,11 +137,17 @@ def test_stack_recipes():
 
 
 def test_unmatched_rules_warn_with_the_paths_found():
-    policy = Policy(rules=[("*mpl*", NVFP4), ("*attn*", None)])
     paths = ["layers.0.mlp.up", "layers.0.attn.q"]
-    assert policy.unmatched_rules(paths) == ["*mpl*"]
-    with pytest.warns(UserWarning, match=r"\['\*mpl\*'\].*layers.0.mlp.up"):
+    policy = Policy(rules=[("*mpl*", NVFP4), ("*atn*", None)])
+    assert policy.unmatched_rules(paths) == ["*mpl*", "*atn*"]
+    with pytest.warns(UserWarning, match=r"no rule.*layers.0.mlp.up, layers.0.attn.q"):
         warn_unmatched_rules(policy, paths)
+    # One rule matching is enough: the default policy's globs are alternatives.
+    partly = transformer_policy(2)
+    assert partly.unmatched_rules(paths) == ["*ffn*", "*feed_forward*"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_unmatched_rules(partly, paths)
 
 
 def test_assign_and_value_semantics():
