@@ -7,86 +7,132 @@ policy)`` swaps every ``eqx.nn.Linear`` that the policy puts in NVFP4 for a
 ``Linear`` holding the same arrays, with ``eqx.tree_at``; the other layers are
 left untouched (bit-identical to the original model).
 
-Batching. Equinox layers are written per example and run under ``jax.vmap``.
-Run literally, that would quantize and multiply each example on its own: one
-token padded to a block of 16 for the token-axis quantization, a per-example
-amax, and a per-example weight gradient [batch, in, out] that is then summed.
-``Linear`` instead folds every enclosing ``vmap`` into the token axis: under
-``vmap`` it calls a ``jax.custom_batching.custom_vmap`` function whose rule
-reshapes x [batch, ..., in] to [batch * ..., in] and calls itself again, so
-nested maps (batch x sequence positions) fold into one ``dot`` over all tokens
--- three GEMMs in all, with the weight gradient reduced inside WGRAD -- exactly
-the computation of ``dot`` on the folded tokens, forward and backward.
+Batching: what folds where. Equinox layers are written per example and run
+under ``jax.vmap``. Run literally, that would quantize and multiply each
+example on its own: one sequence (or one token) padded to a block of 16 for
+the token-axis quantization, a per-example amax, and a per-example weight
+gradient [batch, in, out] that is then summed. ``Linear`` instead folds the
+enclosing ``vmap``s into the token axis: it binds a primitive whose batching
+rule reshapes x [batch, ..., in] to [batch * ..., in] and calls the layer's
+product again, so nested maps (batch x sequence positions) fold into one
+``dot`` over all tokens -- three GEMMs in all, with the weight gradient
+reduced inside WGRAD -- exactly the computation of ``dot`` on the folded
+tokens, forward and backward. The fold reaches through the bodies that JAX
+traces into a jaxpr and that a ``vmap`` then batches as a whole: a
+``lax.scan`` over stacked layers, ``jax.checkpoint`` (with or without a
+policy such as ``save_fp4_residuals``), ``jit``, ``lax.cond``. So
+``jax.vmap(model)`` of a model that scans its blocks runs one GEMM per layer
+over all of the batch's tokens (batch 3 x 40 positions: one GEMM of 120
+tokens, not three of 40 padded to 48), under ``grad`` too.
 
-custom_vmap has no reverse-mode rule, so it is only ever called where the
-innermost transformation is a ``vmap`` that maps one of the layer's operands:
-its rule then runs at once, and what it hands on is a plain ``dot`` (a
-``custom_vjp``) that ``grad``, ``jit`` and shardings handle as usual. Whether
-the innermost transformation is such a ``vmap`` is read from JAX's trace
-state (``_mapped_by_innermost_vmap``; tested with jax 0.10.2, and the names
-it reads are unchanged in JAX's current sources). Where
-it is not -- ``jit`` or ``grad`` innermost, a ``vmap`` of a per-example
-``grad``, or a ``lax.scan`` / ``jax.checkpoint`` body traced inside a
-``vmap`` -- the layer calls ``dot`` directly and JAX batches it per example:
-correct, but without the fold. To fold there, vmap inside the scan or
-checkpoint, or call the layer on [tokens, in] (``Linear`` accepts any leading
-dimensions).
+The primitive is bound only where the innermost transformation is a
+``vmap``, or a chain of such traced bodies whose first enclosing
+transformation is a ``vmap`` (read from JAX's trace state; where the names
+it reads are missing, the layer never folds). Its batching rule folds; if it
+is differentiated before any ``vmap`` batched it -- the ``vmap`` mapped none
+of the scan's operands and handed the scan on unbatched -- its derivative is
+that of the plain ``dot``, and evaluated or compiled unbatched it is the plain
+``dot``. Where the innermost transformation is ``grad`` or ``jit`` -- in
+particular ``jax.vmap(jax.grad(loss))`` for per-example gradients, or a scan
+inside ``grad`` inside ``vmap`` -- the layer calls ``dot`` directly and JAX
+batches it per example: correct (a per-example amax and weight gradient, as
+such a computation asks for), without the fold. A weight mapped by the
+``vmap`` (an ensemble) is not folded either. Explicitly sharded operands
+(``jax.sharding.AxisType.Explicit``) are not folded.
 
-Keys. Stochastic rounding of the backward pass needs a key:
-``layer(x, key=key)``, a new key each step, required when the recipe uses
-stochastic rounding (``Recipe.needs_key``) -- unless the layer is in inference
-mode (``eqx.nn.inference_mode(model)``), where no gradient is expected and a
-fixed key is used. Under ``vmap`` pass one key for the whole batch
-(``in_axes=None``, as usual for a model's key) or a key per example: the fold
-makes one ``dot`` over the whole batch, so a batch of keys is reduced to the
-first one. Either way every element of the folded tensor draws its own random
-bits (they are indexed by the element's position in the folded tensor).
+Stacked layers. ``eqx.filter_vmap(make_block)(keys)`` builds blocks whose
+arrays have a leading layer axis, run by ``lax.scan``; an ``eqx.nn.Linear``
+in there has weight [L, out, in]. ``convert`` makes it one stacked
+``Linear`` (weight [L, out, in]) so each scan step sees an ordinary
+``Linear``. The policy decides per layer with ``Policy.stack_recipes``: the
+rules see the stack's path (no block index, e.g. ``"layers.mlp.up_proj"``),
+and ``keep_last`` puts the last blocks of a stack of ``num_layers`` blocks
+in bf16. Such a mixed stack holds a per-layer switch ``nvfp4`` (bool [L],
+sliced by the scan like the weight); each step then picks the NVFP4 product
+or the bf16 one (``eqx.nn.Linear``'s own computation) with ``lax.cond``.
+Under ``grad`` a ``cond`` keeps the residuals of both branches, so a mixed
+stack saves x in bf16 as well as its FP4 copy (``jax.checkpoint`` with
+``save_fp4_residuals`` around the scan body keeps only the FP4 ones); to
+avoid the cond, keep the last blocks out of the stack.
+
+Keys. Stochastic rounding of the backward pass needs a key, a new one each
+step, when the recipe uses it (``Recipe.needs_key``). A layer takes it from,
+in this order: ``layer(x, key=key)``; else the innermost active
+``with jax_nvfp4.equinox.keys(step_key):``, from which each call draws
+``fold_in(step_key, n)`` with n counting the calls made in that block while
+JAX traces it (for models such as ``eqx.nn.MLP`` that pass no key to their
+layers); else, in inference mode (``eqx.nn.inference_mode(model)``, where no
+gradient is expected), a fixed key; else it raises. The count runs at trace
+time: a ``lax.scan`` body is traced once, so every layer of a scanned stack
+draws the same key from an enclosing ``keys`` block -- pass per-layer keys
+through the scan instead (``key=`` or a ``keys(layer_key)`` block inside the
+body). Enter ``keys`` inside the jitted step with the step's key as an
+argument: a key captured from outside a traced function would be a constant
+of the compiled step (the same bits every step), which raises. Under
+``vmap`` pass one key for the whole batch (``in_axes=None``, as usual for a
+model's key) or a key per example: the fold makes one ``dot`` over the
+whole batch, so a batch of keys is reduced to the first one. Either way every
+element of the folded tensor draws its own random bits (they are indexed by
+the element's position in the folded tensor).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-from jax_nvfp4.policy import Policy, path_string
-from jax_nvfp4.recipe import NVFP4, Recipe, dot_general
+from jax_nvfp4.ops import sharding
+from jax_nvfp4.ops.primitive import with_varying
+from jax_nvfp4.policy import Policy, path_string, warn_unmatched_rules
+from jax_nvfp4.recipe import NVFP4, Recipe, _explicit_sharding, dot_general
 
-__all__ = ["Linear", "convert", "linear_paths", "plan"]
+__all__ = ["Linear", "convert", "keys", "linear_paths", "plan"]
 
 
 # ------------------------------------------------------------------ folding
 
 
-def _mapped_by_innermost_vmap(*operands: Any) -> bool:
-    """True when the innermost active transformation is a ``jax.vmap`` that maps
-    one of ``operands``.
-
-    Only then is a ``custom_vmap`` function safe to call: that ``vmap``
-    processes it at once, calling the rule. Reads JAX internals (the current
-    trace and its tracer type); if they are not there, returns False and the
-    layer falls back to plain per-example batching.
-    """
+def _trace_classes():
+    """(the current trace, DynamicJaxprTrace, BatchTrace), or None where these
+    JAX internals are missing (then nothing folds)."""
     try:
         from jax._src import core
-        from jax._src.interpreters import batching
+        from jax._src.interpreters import batching as _batching
+        from jax._src.interpreters import partial_eval as pe
 
-        trace = core.trace_ctx.trace
-        batch_trace, batch_tracer = batching.BatchTrace, batching.BatchTracer
+        return core.trace_ctx.trace, pe.DynamicJaxprTrace, _batching.BatchTrace
     except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
+        return None
+
+
+def _vmap_encloses() -> bool:
+    """True when the innermost transformation is a ``jax.vmap``, or bodies
+    being traced into jaxprs (scan, checkpoint, jit, cond) whose first
+    enclosing transformation is a ``jax.vmap``.
+
+    Only then is the fold primitive bound: that ``vmap`` batches it -- at
+    once, or by batching the jaxpr that holds it (the batching rules of scan,
+    remat, pjit and cond batch their bodies) -- before anything
+    differentiates it.
+    """
+    found = _trace_classes()
+    if found is None:  # pragma: no cover - other JAX versions
         return False
-    if not isinstance(trace, batch_trace):
-        return False
-    return any(
-        isinstance(a, batch_tracer)
-        and a._trace is trace
-        and getattr(a, "batch_dim", None) is not None
-        for a in operands
-    )
+    trace, staging, batch = found
+    for _ in range(1000):  # a parent chain, not a cycle; bounded all the same
+        if not isinstance(trace, staging):
+            break
+        trace = getattr(trace, "parent_trace", None)
+    return isinstance(trace, batch)
 
 
 def _plain_dot(recipe: Recipe, x: jax.Array, w: jax.Array, kd: jax.Array):
@@ -105,52 +151,177 @@ def _folded_dot(recipe: Recipe, x: jax.Array, w: jax.Array, kd: jax.Array):
 
     x [..., K], w [N, K] (same dtype), kd uint32[2] key words.
     """
-    if _mapped_by_innermost_vmap(x, w, kd):
-        return _folding_call(recipe)(x, w, kd)
+    if (
+        _fold_p is not None
+        and _vmap_encloses()
+        and _explicit_sharding(x) is None
+        and _explicit_sharding(w) is None
+    ):
+        return _fold_p.bind(x, w, kd, recipe=recipe)
     return _plain_dot(recipe, x, w, kd)
 
 
-@functools.cache
-def _folding_call(recipe: Recipe) -> Callable[..., jax.Array]:
-    """The custom_vmap function of one recipe (cached: one per recipe)."""
+def _fold_abstract(x, w, kd, *, recipe):
+    out = jax.core.ShapedArray((*x.shape[:-1], w.shape[0]), x.dtype)
+    return with_varying(out, (x, w, kd))
 
-    @jax.custom_batching.custom_vmap
-    def folding(x, w, kd):
-        return _plain_dot(recipe, x, w, kd)
 
-    @folding.def_vmap
-    def rule(axis_size: int, in_batched, x, w, kd):
-        x_mapped, w_mapped, kd_mapped = in_batched
-        if w_mapped:
-            # A weight per example (an ensemble): nothing to fold; batch the
-            # GEMMs per example as JAX does for dot.
-            in_axes = (0 if x_mapped else None, 0, 0 if kd_mapped else None)
-            return jax.vmap(functools.partial(_plain_dot, recipe), in_axes)(
-                x, w, kd
-            ), True
-        if kd_mapped:
-            kd = kd[0]  # one dot over the batch: one key (see module docstring)
-        if not x_mapped:
-            return _folded_dot(recipe, x, w, kd), False
-        # x [axis_size, ..., K] -> [axis_size * ..., K]; _folded_dot folds the
-        # next enclosing vmap the same way, if there is one.
-        y = _folded_dot(recipe, x.reshape(-1, x.shape[-1]), w, kd)
-        return y.reshape(*x.shape[:-1], y.shape[-1]), True
+def _fold_rule(args, dims, *, recipe):
+    """The vmap of the fold primitive: x's mapped axis joins its tokens."""
+    x, w, kd = args
+    x_dim, w_dim, kd_dim = dims
+    if w_dim is not None:
+        # A weight per example (an ensemble): nothing to fold; batch the
+        # GEMMs per example as JAX does for dot.
+        plain = functools.partial(_plain_dot, recipe)
+        return jax.vmap(plain, in_axes=(x_dim, w_dim, kd_dim))(x, w, kd), 0
+    if kd_dim is not None:
+        kd = jnp.take(kd, 0, axis=kd_dim)  # one dot over the batch: one key
+    if x_dim is None:
+        return _folded_dot(recipe, x, w, kd), None
+    # x [size, ..., K] -> [size * ..., K]; _folded_dot folds the next
+    # enclosing vmap the same way, if there is one.
+    x = jnp.moveaxis(x, x_dim, 0)
+    y = _folded_dot(recipe, x.reshape(-1, x.shape[-1]), w, kd)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), 0
 
-    return folding
+
+def _fold_jvp(primals, tangents, *, recipe):
+    """Differentiated before a vmap batched it: the plain dot's derivative."""
+    x, w, kd = primals
+    dx, dw = (ad.instantiate_zeros(t) for t in tangents[:2])
+    return jax.jvp(lambda x, w: _plain_dot(recipe, x, w, kd), (x, w), (dx, dw))
+
+
+def _fold_impl(x, w, kd, *, recipe):
+    return _plain_dot(recipe, x, w, kd)
+
+
+def _define_fold() -> Primitive | None:
+    try:
+        prim = Primitive("nvfp4_equinox_fold")
+        prim.def_impl(_fold_impl)
+        prim.def_abstract_eval(_fold_abstract)
+        batching.primitive_batchers[prim] = _fold_rule
+        ad.primitive_jvps[prim] = _fold_jvp
+        mlir.register_lowering(prim, mlir.lower_fun(_fold_impl, multiple_results=False))
+        # Lowered unbatched it is the plain dot, whose primitives lower through
+        # custom_partitioning: that needs the devices.
+        sharding.needs_devices_during_lowering(prim)
+    except (AttributeError, TypeError):  # pragma: no cover - other JAX versions
+        return None
+    return prim
+
+
+_fold_p = _define_fold()
+
+
+# --------------------------------------------------------------------- keys
+
+
+class _KeySource:
+    """One ``keys`` block: its key and how many calls drew from it."""
+
+    def __init__(self, key: jax.Array):
+        self.key = key
+        self.count = 0
+
+    def draw(self) -> jax.Array:
+        if not isinstance(self.key, jax.core.Tracer) and _staging_now():
+            raise ValueError(
+                "a jax_nvfp4.equinox.Linear drew its key from a keys(...) block "
+                "whose key is a constant of the function being traced: every "
+                "call of the compiled function would draw the same bits. Enter "
+                "the block inside the jitted function, with the key as one of "
+                "its arguments (with jax_nvfp4.equinox.keys(step_key): ...)"
+            )
+        key = jax.random.fold_in(self.key, self.count)
+        self.count += 1
+        return key
+
+
+_sources = threading.local()
+
+
+def _source_stack() -> list[_KeySource]:
+    if not hasattr(_sources, "stack"):
+        _sources.stack = []
+    return _sources.stack
+
+
+def _staging_now() -> bool:
+    """Whether a jaxpr is being traced (jit, scan, make_jaxpr, ...) around the
+    current call; False where JAX's trace state cannot be read."""
+    found = _trace_classes()
+    if found is None:  # pragma: no cover - other JAX versions
+        return False
+    trace, staging, _ = found
+    for _ in range(1000):
+        if trace is None:
+            return False
+        if isinstance(trace, staging):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False  # pragma: no cover
+
+
+@contextlib.contextmanager
+def keys(key: jax.Array) -> Iterator[None]:
+    """Stochastic-rounding keys for the ``Linear`` calls made without ``key=``.
+
+    Inside the block each such call (of a recipe that needs a key) draws
+    ``jax.random.fold_in(key, n)``, n = 0, 1, ... in call order as JAX traces
+    them: every layer gets its own key, and a new ``key`` each step gives new
+    bits. For models that pass no key to their layers, e.g. ``eqx.nn.MLP``::
+
+        @eqx.filter_jit
+        def step(model, x, y, key):
+            def loss(model):
+                with jax_nvfp4.equinox.keys(key):
+                    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+            return eqx.filter_value_and_grad(loss)(model)
+
+    Blocks nest; the innermost wins. A ``lax.scan`` body is traced once, so
+    all layers of a scanned stack would draw the same key: give each step its
+    own (``jax.random.split(key, L)`` as a scanned input, then ``key=`` or a
+    ``keys`` block inside the body). ``key`` must be an argument of the traced
+    function (see the module docstring).
+
+    Args:
+      key: a ``jax.random.key`` or a uint32[2] PRNG key.
+    """
+    if not isinstance(key, jax.Array) or not (
+        jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        or (key.shape == (2,) and key.dtype == jnp.uint32)
+    ):
+        raise TypeError(
+            "keys() takes a jax.random.key(...) or a uint32[2] PRNGKey, got "
+            f"{getattr(key, 'dtype', type(key).__name__)}"
+            f"{list(getattr(key, 'shape', ()))}"
+        )
+    source = _KeySource(key)
+    stack = _source_stack()
+    stack.append(source)
+    try:
+        yield
+    finally:
+        stack.remove(source)
 
 
 def _key_words(key: jax.Array | None, recipe: Recipe, inference: bool) -> jax.Array:
     """uint32[2] words of ``key`` (typed or raw); a fixed key when unused."""
     if not recipe.needs_key:
         return jnp.zeros((2,), jnp.uint32)
+    if key is None and _source_stack():
+        key = _source_stack()[-1].draw()
     if key is None:
         if inference:
             return jnp.zeros((2,), jnp.uint32)
         raise ValueError(
             "this jax_nvfp4.equinox.Linear's recipe uses stochastic rounding in "
-            "the backward pass: call it with key=... (a new key each step), put "
-            "the model in inference mode (eqx.nn.inference_mode(model)) when no "
+            "the backward pass: call it with key=... (a new key each step) or "
+            "inside a `with jax_nvfp4.equinox.keys(step_key):` block, put the "
+            "model in inference mode (eqx.nn.inference_mode(model)) when no "
             "gradient is taken, or convert with a recipe without stochastic "
             "rounding (jax_nvfp4.NVFP4_NO_SR)"
         )
@@ -178,14 +349,22 @@ class Linear(eqx.Module):
     The weight is cast to x's dtype first, so fp32 master weights work with
     bf16 activations; the output has x's dtype.
 
+    A stack of layers (``eqx.filter_vmap``-built, run by ``lax.scan``) is one
+    ``Linear`` whose arrays have leading layer axes: weight [L, out, in]. It
+    is called per layer (each scan step, or after indexing its arrays).
+
     Attributes:
-      weight: (out_features, in_features), as in ``eqx.nn.Linear``.
-      bias: (out_features,) or None.
+      weight: (out_features, in_features), as in ``eqx.nn.Linear``; a stack
+        has leading layer axes.
+      bias: (out_features,) or None (a stack: with the same leading axes).
       in_features, out_features: multiples of 16 (NVFP4 blocks).
       use_bias: whether ``bias`` is used.
       recipe: the ``jax_nvfp4.Recipe`` of the three GEMMs.
       inference: when True and no key is given, stochastic rounding uses a
         fixed key (set by ``eqx.nn.inference_mode``; for evaluation only).
+      nvfp4: None (every layer runs ``recipe``), or a bool array with the
+        weight's leading axes: per layer of a stack, True runs ``recipe`` and
+        False the bf16 product of ``eqx.nn.Linear`` (see the module docstring).
     """
 
     weight: jax.Array
@@ -195,6 +374,7 @@ class Linear(eqx.Module):
     use_bias: bool = eqx.field(static=True)
     recipe: Recipe = eqx.field(static=True)
     inference: bool = False
+    nvfp4: jax.Array | None = None
 
     def __init__(
         self,
@@ -225,12 +405,23 @@ class Linear(eqx.Module):
         self.use_bias = use_bias
         self.recipe = recipe
         self.inference = inference
+        self.nvfp4 = None
 
     @classmethod
     def from_linear(
-        cls, linear: eqx.nn.Linear, recipe: Recipe = NVFP4, *, path: str = ""
+        cls,
+        linear: eqx.nn.Linear | Linear,
+        recipe: Recipe = NVFP4,
+        *,
+        path: str = "",
+        nvfp4: Any = None,
     ) -> Linear:
-        """A ``Linear`` holding ``linear``'s own weight and bias arrays."""
+        """A ``Linear`` holding ``linear``'s own weight and bias arrays.
+
+        ``linear`` may be a stack (weight [L, out, in]); ``nvfp4`` is then
+        None or a bool per layer (see the class docstring). A ``Linear``
+        given here keeps its ``inference`` flag and gets the new recipe.
+        """
         if not isinstance(linear.in_features, int) or not isinstance(
             linear.out_features, int
         ):
@@ -240,6 +431,14 @@ class Linear(eqx.Module):
                 f"({path!r}, None)"
             )
         _check_shape(linear.in_features, linear.out_features, recipe, path)
+        lead = linear.weight.shape[:-2]
+        if nvfp4 is not None:
+            nvfp4 = jnp.asarray(nvfp4, bool)
+            if nvfp4.shape != lead:
+                raise ValueError(
+                    f"{path or 'Linear'}: nvfp4 has shape {nvfp4.shape}; the "
+                    f"stack's layer axes are {lead}"
+                )
         # Build the module abstractly (no random initialisation), then put the
         # layer's own arrays in.
         template = eqx.filter_eval_shape(
@@ -249,13 +448,10 @@ class Linear(eqx.Module):
             linear.use_bias,
             linear.weight.dtype,
             recipe=recipe,
+            inference=bool(getattr(linear, "inference", False)),
             key=jax.random.key(0),
         )
-        if linear.bias is None:
-            return eqx.tree_at(lambda m: m.weight, template, linear.weight)
-        return eqx.tree_at(
-            lambda m: (m.weight, m.bias), template, (linear.weight, linear.bias)
-        )
+        return _fill(template, linear.weight, linear.bias, nvfp4)
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         """x [..., in_features] -> [..., out_features] (x's dtype).
@@ -267,18 +463,68 @@ class Linear(eqx.Module):
             module docstring); unused when the recipe has no stochastic
             rounding.
         """
+        if self.weight.ndim != 2:
+            raise ValueError(
+                f"this Linear is a stack of layers (weight {self.weight.shape}): "
+                "call it per layer, inside a lax.scan over its arrays or after "
+                "indexing them"
+            )
         if x.shape[-1:] != (self.in_features,):
             raise ValueError(
                 f"x has shape {x.shape}; this Linear takes [..., {self.in_features}]"
             )
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"x must be floating point, got {x.dtype}")
-        w = self.weight.astype(x.dtype)
         kd = _key_words(key, self.recipe, self.inference)
-        y = _folded_dot(self.recipe, x, w, kd)
-        if self.bias is not None:
-            y = y + self.bias.astype(y.dtype)
-        return y
+        nvfp4 = functools.partial(_nvfp4_product, self.recipe)
+        operands = (x, self.weight, self.bias, kd)
+        flag = self.nvfp4
+        if flag is None:
+            return nvfp4(*operands)
+        if not isinstance(flag, jax.core.Tracer):  # known now: no cond
+            return nvfp4(*operands) if bool(flag) else _bf16_product(*operands)
+        return jax.lax.cond(flag, nvfp4, _bf16_product, *operands)
+
+
+def _nvfp4_product(recipe: Recipe, x, weight, bias, kd):
+    y = _folded_dot(recipe, x, weight.astype(x.dtype), kd)
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y
+
+
+def _bf16_product(x, weight, bias, kd):
+    """``eqx.nn.Linear``'s computation, in x's dtype like ``_nvfp4_product``."""
+    del kd  # no stochastic rounding
+    y = weight @ x if x.ndim == 1 else x @ weight.T
+    if bias is not None:
+        y = y + bias
+    return y.astype(x.dtype)
+
+
+def _fill(template, weight, bias, nvfp4=None):
+    """``template`` (a Linear or an eqx.nn.Linear) holding these arrays."""
+    module = eqx.tree_at(lambda m: m.weight, template, weight)
+    if bias is not None:
+        module = eqx.tree_at(lambda m: m.bias, module, bias)
+    if nvfp4 is not None:
+        module = eqx.tree_at(
+            lambda m: m.nvfp4, module, nvfp4, is_leaf=lambda n: n is None
+        )
+    return module
+
+
+def _to_eqx_linear(layer: Linear) -> eqx.nn.Linear:
+    """The ``eqx.nn.Linear`` holding a ``Linear``'s arrays (bf16 again)."""
+    template = eqx.filter_eval_shape(
+        eqx.nn.Linear,
+        layer.in_features,
+        layer.out_features,
+        layer.use_bias,
+        layer.weight.dtype,
+        key=jax.random.key(0),
+    )
+    return _fill(template, layer.weight, layer.bias)
 
 
 def _check_shape(k: int, n: int, recipe: Recipe, path: str) -> None:
@@ -297,57 +543,122 @@ def _is_linear(node: Any) -> bool:
     return isinstance(node, (eqx.nn.Linear, Linear))
 
 
+def _stack_size(layer: eqx.nn.Linear | Linear) -> int | None:
+    """L for a stack (weight [L, ..., out, in]); None for one layer."""
+    return layer.weight.shape[0] if layer.weight.ndim > 2 else None
+
+
 def linear_paths(model: Any) -> dict[str, eqx.nn.Linear | Linear]:
     """``{path: layer}`` for every ``eqx.nn.Linear`` and ``Linear`` in ``model``.
 
     Paths are ``policy.path_string`` of the pytree path: field names and list
-    indices joined by "." (e.g. ``"layers.3.mlp.up_proj"``).
+    indices joined by "." (e.g. ``"layers.3.mlp.up_proj"``). A stack of layers
+    (weight [L, out, in]) is one entry, at the stack's path.
     """
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_linear)[0]
     return {path_string(p): leaf for p, leaf in leaves if _is_linear(leaf)}
 
 
-def plan(model: Any, policy: Policy) -> dict[str, Recipe | None]:
-    """``{path: recipe or None}`` for the ``eqx.nn.Linear`` layers of ``model``:
-    what ``convert`` would do (None: left as it is)."""
-    return {
-        path: policy.recipe_for(path)
-        for path, layer in linear_paths(model).items()
-        if isinstance(layer, eqx.nn.Linear)
-    }
+def _decide(policy: Policy, path: str, layer) -> Recipe | None | tuple:
+    """The policy's recipe for a layer, or a stack's tuple of them."""
+    size = _stack_size(layer)
+    if size is None:
+        return policy.recipe_for(path)
+    return policy.stack_recipes(path, size)
+
+
+def plan(model: Any, policy: Policy) -> dict[str, Recipe | None | tuple]:
+    """What ``convert`` would do: ``{path: recipe or None}`` for every linear
+    layer of ``model`` (None: bf16, an ``eqx.nn.Linear``), and for a stack a
+    tuple with each layer's."""
+    return {path: _decide(policy, path, layer) for path, layer in _linears(model)}
+
+
+def _linears(model: Any) -> list[tuple[str, eqx.nn.Linear | Linear]]:
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_linear)[0]
+    return [(path_string(p), leaf) for p, leaf in leaves if _is_linear(leaf)]
+
+
+def _reject_flax(model: Any) -> None:
+    """Flax modules (linen or NNX) belong to jax_nvfp4.flax; told apart by
+    their classes' module names, so flax need not be installed."""
+    for cls in type(model).__mro__:
+        module = getattr(cls, "__module__", "") or ""
+        if module == "flax" or module.startswith("flax."):
+            raise TypeError(
+                f"{type(model).__name__} is a Flax module ({cls.__module__}."
+                f"{cls.__qualname__}); convert Flax NNX models with "
+                "jax_nvfp4.flax.convert (linen: give nn.Dense "
+                "dot_general_cls=jax_nvfp4.flax.LinenDotGeneral). "
+                "jax_nvfp4.equinox.convert takes Equinox models"
+            )
+
+
+def _replacement(layer, decided, path: str):
+    """The layer ``convert`` puts at ``path``."""
+    if isinstance(decided, tuple):  # a stack
+        recipes = {r for r in decided if r is not None}
+        if len(recipes) > 1:  # pragma: no cover - Policy gives one per stack
+            raise ValueError(f"{path}: one recipe per stack, got {recipes}")
+        if not recipes:
+            decided = None
+        else:
+            (recipe,) = recipes
+            if all(r is not None for r in decided):
+                return Linear.from_linear(layer, recipe, path=path)
+            per_layer = jnp.asarray([r is not None for r in decided], bool)
+            lead = layer.weight.shape[:-2]
+            per_layer = jnp.broadcast_to(
+                per_layer.reshape(-1, *(1,) * (len(lead) - 1)), lead
+            )
+            return Linear.from_linear(layer, recipe, path=path, nvfp4=per_layer)
+    if decided is None:
+        return layer if isinstance(layer, eqx.nn.Linear) else _to_eqx_linear(layer)
+    return Linear.from_linear(layer, decided, path=path)
 
 
 def convert(model: Any, policy: Policy) -> Any:
-    """Replaces each ``eqx.nn.Linear`` the policy gives a recipe by ``Linear``.
+    """Puts the linear layers of ``model`` that ``policy`` selects in NVFP4.
+
+    Every ``eqx.nn.Linear`` (and every ``Linear``, so that converting again
+    applies the new policy) at path ``p`` (see ``linear_paths``) becomes:
+
+    - ``policy.recipe_for(p)`` is a Recipe: a ``Linear`` with that recipe,
+      holding the same weight and bias arrays;
+    - None: an ``eqx.nn.Linear`` (the same layer if it was one).
+
+    A stack of layers (weight [L, out, in], built by ``eqx.filter_vmap`` and
+    run by ``lax.scan``) is decided per layer by ``policy.stack_recipes(p,
+    L)``: all in NVFP4, all in bf16, or -- where ``keep_last`` keeps its last
+    layers in bf16 -- a stacked ``Linear`` with a per-layer ``nvfp4`` switch
+    (see the module docstring).
 
     Args:
-      model: any Equinox model (a pytree of modules).
-      policy: a ``jax_nvfp4.policy.Policy``; ``policy.recipe_for(path)`` is asked
-        for every ``eqx.nn.Linear`` (see ``linear_paths`` for the paths).
+      model: an Equinox model (a pytree of modules).
+      policy: a ``jax_nvfp4.policy.Policy``. A rule whose glob matches no
+        linear layer gets a ``UserWarning`` listing the paths found.
 
     Returns:
-      A new model (built with ``eqx.tree_at``) in which those layers are
-      ``Linear``s holding the same weight and bias arrays; everything else --
-      including the linears the policy leaves in bf16 -- is unchanged and
-      holds the same arrays.
-      The model's own code must pass ``key=`` to the converted layers when
-      their recipe uses stochastic rounding.
+      A new model (built with ``eqx.tree_at``): everything but the converted
+      layers is unchanged and holds the same arrays. The model's code passes
+      ``key=`` to the layers, or runs inside ``keys(step_key)``, when their
+      recipe uses stochastic rounding.
     """
+    _reject_flax(model)
     if not isinstance(policy, Policy):
         raise TypeError(
             f"policy must be a jax_nvfp4.policy.Policy, got {type(policy).__name__}"
         )
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_linear)[0]
+    found = [(kp, leaf) for kp, leaf in leaves if _is_linear(leaf)]
+    warn_unmatched_rules(policy, [path_string(kp) for kp, _ in found], stacklevel=3)
     wheres, replacements = [], []
-    for key_path, leaf in leaves:
-        if not isinstance(leaf, eqx.nn.Linear):
-            continue
+    for key_path, leaf in found:
         path = path_string(key_path)
-        recipe = policy.recipe_for(path)
-        if recipe is None:
-            continue
-        wheres.append(key_path)
-        replacements.append(Linear.from_linear(leaf, recipe, path=path))
+        new = _replacement(leaf, _decide(policy, path, leaf), path)
+        if new is not leaf:
+            wheres.append(key_path)
+            replacements.append(new)
     if not wheres:
         return model
 

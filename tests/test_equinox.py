@@ -198,7 +198,7 @@ def test_per_example_gradients_and_batched_weights_are_not_folded():
 
     ys = jax.jit(jax.vmap(ensemble))(weights, x[:2])
     for i in range(2):
-        _assert_equal(ys[i], ensemble(weights[i], x[i]))
+        _assert_equal(ys[i], jax.jit(ensemble)(weights[i], x[i]))
 
 
 def test_key_required_unless_inference_or_no_sr():

@@ -1,0 +1,278 @@
+"""jax_nvfp4.equinox under lax.scan over stacked layers: the vmap fold
+through scan / checkpoint bodies (in the jaxpr and bit for bit against the
+layers on the flattened tokens), the cases that fall back to per-example
+batching, and stacked layers converted with keep_last."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import equinox as nveqx
+from jax_nvfp4.policy import transformer_policy
+
+D, F = 32, 48  # model width and hidden width (multiples of 16, distinct)
+B, S = 3, 40  # 120 tokens: padded to 128 when folded, to 3 x 48 if not
+L = 3  # stacked blocks
+KEY = jax.random.key(7)
+
+
+class Mlp(eqx.Module):
+    mlp_up: eqx.Module
+    mlp_down: eqx.Module
+
+    def __init__(self, key):
+        ku, kd = jax.random.split(key)
+        self.mlp_up = eqx.nn.Linear(D, F, key=ku)
+        self.mlp_down = eqx.nn.Linear(F, D, use_bias=False, key=kd)
+
+    def __call__(self, h, key, per_position):
+        """h [S, D] per example, Equinox style (a vmap over the positions), or
+        [tokens, D] called on the layers directly (per_position False)."""
+        ku, kd = jax.random.split(key)
+
+        def apply(layer, h, k):
+            if per_position:
+                return jax.vmap(lambda v: layer(v, key=k))(h)
+            return layer(h, key=k)
+
+        return h + apply(self.mlp_down, jax.nn.gelu(apply(self.mlp_up, h, ku)), kd)
+
+
+class Stacked(eqx.Module):
+    layers: Mlp  # every array with a leading [L] axis
+
+    def __init__(self, key):
+        self.layers = eqx.filter_vmap(Mlp)(jax.random.split(key, L))
+
+    def __call__(self, h, key, *, per_position=True, remat=None):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, xs):
+            p, k = xs
+            return eqx.combine(p, static)(h, k, per_position), None
+
+        if remat is not None:
+            body = jax.checkpoint(body, policy=remat, prevent_cse=False)
+        return jax.lax.scan(body, h, (params, jax.random.split(key, L)))[0]
+
+
+def _random_init(build, seed=0):
+    """``build()``'s module with random arrays made in NumPy (fast tests)."""
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        bound = 1 / np.sqrt(leaf.shape[-1])
+        return jnp.asarray(rng.uniform(-bound, bound, leaf.shape), leaf.dtype)
+
+    return jax.tree.map(fill, eqx.filter_eval_shape(build))
+
+
+def _model(policy=None):
+    model = _random_init(lambda: Stacked(jax.random.key(0)))
+    return nveqx.convert(model, policy or transformer_policy(L, keep_last=0))
+
+
+def _inputs():
+    x = jax.random.normal(jax.random.key(1), (B, S, D), jnp.float32)
+    g = jax.random.normal(jax.random.key(2), (B, S, D), jnp.float32)
+    return x, g
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _eqns(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _eqns(sub)
+
+
+def _primitives(fn, *args):
+    """{primitive name: [first operand shapes]} of fn's jaxpr, nested ones in."""
+    found = {}
+    for eqn in _eqns(eqx.filter_make_jaxpr(fn)(*args)[0].jaxpr):
+        shape = eqn.invars[0].aval.shape if eqn.invars else ()
+        found.setdefault(eqn.primitive.name, []).append(tuple(shape))
+    return found
+
+
+def _assert_equal(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert u.shape == v.shape and u.dtype == v.dtype, (u.shape, v.shape)
+        np.testing.assert_array_equal(
+            np.asarray(u, np.float32), np.asarray(v, np.float32)
+        )
+
+
+def _weights(tree):
+    """The weights of a gradient (biases are summed by JAX outside the fold,
+    in another order than over the flat tokens: not compared bit for bit)."""
+    return [
+        leaf.weight
+        for leaf in jax.tree.leaves(tree, is_leaf=nveqx._is_linear)
+        if nveqx._is_linear(leaf)
+    ]
+
+
+@pytest.mark.parametrize("remat", [None, nv.save_fp4_residuals])
+def test_vmap_of_scan_folds_into_one_gemm_per_layer(remat):
+    model, (x, g) = _model(), _inputs()
+
+    def batched(m, x):  # vmap over examples; each vmaps over its positions
+        return jax.vmap(lambda xi: m(xi, KEY, remat=remat))(x)
+
+    def flat(m, x):  # the same layers on the flattened [tokens, D] input
+        y = m(x.reshape(B * S, D), KEY, per_position=False, remat=remat)
+        return y.reshape(B, S, D)
+
+    def loss(f):
+        return lambda m, x: jnp.sum(f(m, x) * g)
+
+    # Each GEMM runs over all B * S = 120 tokens, padded once to 128 (codes
+    # hold two values a byte): FPROP and DGRAD take [1, 128, features / 2],
+    # WGRAD dY^T [1, features, 64]. Per sequence it would be [3, 48, ...].
+    forward = _primitives(batched, model, x)
+    assert forward["nvfp4_matmul"] == [(1, 128, D // 2), (1, 128, F // 2)]
+    gemms = _primitives(eqx.filter_grad(loss(batched)), model, x)["nvfp4_matmul"]
+    assert len(gemms) >= 6
+    for shape in gemms:
+        assert shape[0] == 1 and (shape[1] == 128 or shape[2] == 64), gemms
+
+    # Bit for bit the computation on the flat tokens, forward and backward.
+    got = eqx.filter_jit(batched)(model, x)
+    _assert_equal(got, eqx.filter_jit(flat)(model, x))
+    grad = eqx.filter_grad(loss(batched), has_aux=False)
+    want = eqx.filter_grad(loss(flat))
+    _assert_equal(_weights(eqx.filter_jit(grad)(model, x)), _weights(want(model, x)))
+    dx = eqx.filter_jit(jax.grad(loss(batched), argnums=1))(model, x)
+    _assert_equal(dx, eqx.filter_jit(jax.grad(loss(flat), argnums=1))(model, x))
+
+
+def test_unbatched_scan_inside_vmap_is_the_plain_dot():
+    # The vmap maps none of the scan's operands and hands the scan on
+    # unbatched: the fold primitive is in the jaxpr, and grad differentiates
+    # it as the plain dot.
+    model, (x, g) = _model(), _inputs()
+    scales = jnp.arange(1.0, B + 1.0)
+
+    def ours(mx):
+        m, x = mx
+        y = jax.vmap(lambda s: s * m(x[0], KEY))(scales)
+        return jnp.sum(y * g)
+
+    def reference(mx):
+        m, x = mx
+        return jnp.sum(scales[:, None, None] * m(x[0], KEY)[None] * g)
+
+    assert "nvfp4_equinox_fold" in _primitives(ours, (model, x))
+    got = eqx.filter_jit(eqx.filter_value_and_grad(ours))((model, x))
+    want = eqx.filter_jit(eqx.filter_value_and_grad(reference))((model, x))
+    _assert_equal(got[0], want[0])
+    _assert_equal(_weights(got[1][0]), _weights(want[1][0]))
+    _assert_equal(got[1][1], want[1][1])
+
+
+def test_vmap_of_per_example_grad_through_scan_is_per_example():
+    model, (x, g) = _model(), _inputs()
+
+    def grad_of_one(m, xi, gi):
+        return eqx.filter_grad(lambda m: jnp.sum(m(xi, KEY) * gi))(m)
+
+    per_example = jax.vmap(grad_of_one, in_axes=(None, 0, 0))
+    assert "nvfp4_equinox_fold" not in _primitives(per_example, model, x, g)
+    got = eqx.filter_jit(per_example)(model, x, g)
+    one = eqx.filter_jit(grad_of_one)
+    for i in range(B):
+        want = one(model, x[i], g[i])
+        _assert_equal([w[i] for w in _weights(got)], [w for w in _weights(want)])
+
+
+# ---------------------------------------------------- stacked layers, convert
+
+
+def test_convert_stacked_layers_with_keep_last():
+    base = _model(nv.policy.Policy())  # nothing converted: eqx.nn.Linear stacks
+    policy = transformer_policy(L, keep_last=1)
+    plan = nveqx.plan(base, policy)
+    kept = (nv.NVFP4,) * (L - 1) + (None,)
+    assert plan == {"layers.mlp_up": kept, "layers.mlp_down": kept}
+    model = nveqx.convert(base, policy)
+    up = model.layers.mlp_up
+    assert isinstance(up, nveqx.Linear) and up.weight.shape == (L, F, D)
+    assert up.weight is base.layers.mlp_up.weight
+    np.testing.assert_array_equal(up.nvfp4, [True] * (L - 1) + [False])
+    # keep_last=0: all in NVFP4, no switch; keep_last=L: left as it is.
+    assert (
+        nveqx.convert(base, transformer_policy(L, keep_last=0)).layers.mlp_up.nvfp4
+        is None
+    )
+    assert nveqx.convert(base, transformer_policy(L, keep_last=L)) is base
+
+    # Every layer applied to the same input inside one scan (each step one
+    # layer): the last is bf16 bit for bit, the others NVFP4, forward and
+    # backward (gradients through both branches of the cond).
+    x, g = _inputs()
+    h = x[0]  # [S, D]
+    gh = jax.random.normal(jax.random.key(3), (L, S, F), jnp.float32)
+
+    def per_layer(stack, h):
+        params, static = eqx.partition(stack, eqx.is_array)
+
+        def body(_, p):
+            layer = eqx.combine(p, static)
+            return None, jax.vmap(lambda v: layer(v, key=KEY))(h)
+
+        return jax.lax.scan(body, None, params)[1]
+
+    def layer_i(stack, i):
+        return jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, stack)
+
+    def reference(stack, h):
+        outs = []
+        for i in range(L):
+            layer = layer_i(stack, i)
+            if i < L - 1:  # the NVFP4 Linear on its own
+                layer = nveqx.Linear.from_linear(layer, nv.NVFP4)
+            else:  # eqx.nn.Linear, as in the unconverted model
+                layer = nveqx._to_eqx_linear(layer)
+            outs.append(jax.vmap(lambda v, m=layer: m(v, key=KEY))(h))
+        return jnp.stack(outs)
+
+    def loss(f):
+        return lambda stack, h: jnp.sum(f(stack, h) * gh)
+
+    stack = model.layers.mlp_up
+    _assert_equal(
+        eqx.filter_jit(per_layer)(stack, h), eqx.filter_jit(reference)(stack, h)
+    )
+    got = eqx.filter_jit(eqx.filter_grad(loss(per_layer)))(stack, h)
+    want = eqx.filter_jit(eqx.filter_grad(loss(reference)))(stack, h)
+    _assert_equal(got.weight, want.weight)
+    _assert_equal(got.bias, want.bias)
+    bf16 = eqx.filter_jit(per_layer)(base.layers.mlp_up, h)
+    ours = eqx.filter_jit(per_layer)(stack, h)
+    _assert_equal(ours[-1], bf16[-1])
+    assert not np.array_equal(np.asarray(ours[0]), np.asarray(bf16[0]))
+
+
+def test_mixed_stack_folds_inside_the_cond():
+    model = _model(transformer_policy(L, keep_last=1))
+    x, g = _inputs()
+
+    def loss(m, x):
+        return jnp.sum(jax.vmap(lambda xi: m(xi, KEY))(x) * g)
+
+    found = _primitives(eqx.filter_grad(loss), model, x)
+    assert "cond" in found
+    for shape in found["nvfp4_matmul"]:
+        assert shape[0] == 1 and (shape[1] == 128 or shape[2] == 64), shape
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(model, x)
+    for w in _weights(grads):
+        assert np.all(np.isfinite(np.asarray(w))) and np.any(np.asarray(w) != 0)
