@@ -47,13 +47,13 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_common  # noqa: E402
 
+from jax_nvfp4 import save_fp4_residuals  # noqa: E402
 from jax_nvfp4.flax import convert, nvfp4_layers  # noqa: E402
 from jax_nvfp4.policy import transformer_policy  # noqa: E402
 
 VOCAB = 256
 COMPUTE = jnp.bfloat16
 PARAMS = jnp.float32
-_List = getattr(nnx, "List", list)  # nnx.List: Flax >= 0.12
 
 
 def _linear(d_in: int, d_out: int, *, std: float, rngs: nnx.Rngs) -> nnx.Linear:
@@ -152,8 +152,23 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+# --remat: what jax.checkpoint keeps of each block for the backward pass.
+REMAT_POLICIES = {
+    "none": None,  # no remat: XLA keeps what the backward pass reads
+    "fp4": save_fp4_residuals,  # only the FP4 residuals; the rest recomputed
+    "dots": jax.checkpoint_policies.dots_saveable,  # every matmul output
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute everything
+}
+
+
 class Llama(nnx.Module):
-    """Token ids [B, S] -> logits [B, S, 256] (fp32)."""
+    """Token ids [B, S] -> logits [B, S, 256] (fp32).
+
+    The blocks are one stack: built by ``nnx.vmap`` (every parameter has a
+    leading layer axis) and run by ``nnx.scan``, so compile time does not
+    grow with depth; ``jax_nvfp4.flax.convert`` stacks its RNG state (and the
+    bf16 switch of the last blocks) the same way.
+    """
 
     def __init__(
         self,
@@ -164,8 +179,11 @@ class Llama(nnx.Module):
         ffn: int,
         tie_embeddings: bool = False,
         attention: str | None = None,
+        remat: str = "fp4",
         rngs: nnx.Rngs,
     ):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}")
         # GPT-2-style init: residual-output projections scaled by depth.
         out_std = 0.02 / math.sqrt(2 * layers)
         self.embed = nnx.Embed(
@@ -176,19 +194,16 @@ class Llama(nnx.Module):
             embedding_init=nnx.initializers.normal(0.02),
             rngs=rngs,
         )
-        self.layers = _List(
-            [
-                Block(
-                    d_model,
-                    heads,
-                    ffn,
-                    out_std=out_std,
-                    attention=attention,
-                    rngs=rngs,
-                )
-                for _ in range(layers)
-            ]
-        )
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stack(rngs: nnx.Rngs) -> Block:
+            return Block(
+                d_model, heads, ffn, out_std=out_std, attention=attention, rngs=rngs
+            )
+
+        self.layers = stack(rngs)
+        self.remat = remat
         self.norm = RMSNorm(d_model)
         self.tie_embeddings = tie_embeddings
         self.lm_head = (
@@ -196,9 +211,13 @@ class Llama(nnx.Module):
         )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = self.embed(tokens)
-        for block in self.layers:
-            x = block(x)
+        def block(block: Block, x: jax.Array) -> jax.Array:
+            return block(x)
+
+        if self.remat != "none":
+            block = nnx.remat(block, policy=REMAT_POLICIES[self.remat])
+        run_blocks = nnx.scan(block, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        x = run_blocks(self.layers, self.embed(tokens))
         x = self.norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits.astype(jnp.float32)
@@ -219,12 +238,13 @@ def build(args: argparse.Namespace) -> tuple[Llama, str]:
         ffn=args.ffn,
         tie_embeddings=args.tie_embeddings,
         attention=args.attention,
+        remat=args.remat,
         rngs=nnx.Rngs(params=args.seed),
     )
     recipe = train_common.PRECISIONS[args.precision]
     linears = sum(isinstance(n, nnx.Linear) for _, n in nnx.iter_graph(model))
     if recipe is None:
-        return model, f"all {linears} linear layers in bf16"
+        return model, f"all {linears} linear layers (or stacks) in bf16"
     policy = transformer_policy(args.layers, recipe=recipe, keep_last=args.keep_last)
     convert(model, policy, nnx.Rngs(nvfp4=args.seed + 1))
     converted = sorted(nvfp4_layers(model))
@@ -234,9 +254,10 @@ def build(args: argparse.Namespace) -> tuple[Llama, str]:
             f"--keep-last {args.keep_last})",
             file=sys.stderr,
         )
+    kept = f", the last {args.keep_last} block(s) in bf16" if args.keep_last else ""
     return model, (
-        f"{len(converted)} of {linears} linear layers in NVFP4 "
-        f"({args.precision}): {', '.join(converted) or '-'}"
+        f"{len(converted)} of {linears} linear layers (or stacks) in NVFP4 "
+        f"({args.precision}{kept}): {', '.join(converted) or '-'}"
     )
 
 
@@ -252,6 +273,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default="xla",
         help="jax.nn.dot_product_attention implementation (cudnn: flash "
         "attention on NVIDIA GPUs)",
+    )
+    parser.add_argument(
+        "--remat",
+        choices=sorted(REMAT_POLICIES),
+        default="fp4",
+        help="what each block keeps for the backward pass: fp4 = only the NVFP4 "
+        "layers' FP4 residuals (jax_nvfp4.save_fp4_residuals), dots = every matmul "
+        "output, full = nothing, none = no remat",
     )
     parser.add_argument(
         "--tie-embeddings",
