@@ -380,3 +380,114 @@ def test_converted_model_trains_under_filter_jit():
         eqx.filter_jit(eqx.filter_grad(ours))(mlp),
         eqx.filter_jit(eqx.filter_grad(reference))(mlp),
     )
+
+
+def test_convert_warns_on_unmatched_rules_and_reconverts():
+    model = _tiny()
+    with pytest.warns(UserWarning, match="atention") as caught:
+        nveqx.convert(model, Policy(rules=(("*atention*", nv.NVFP4),)))
+    assert "layers.0.attn_proj" in str(caught[0].message)
+    # Converting again applies the new policy to the converted layers too.
+    converted = nveqx.convert(model, transformer_policy(2, keep_last=1))
+    again = nveqx.linear_paths(
+        nveqx.convert(converted, Policy(rules=(("*mlp*", nv.NVFP4_NO_SR),)))
+    )
+    for path in ("layers.0.mlp.up_proj", "layers.1.mlp.down_proj"):
+        assert isinstance(again[path], nveqx.Linear)
+        assert again[path].recipe == nv.NVFP4_NO_SR
+    # ... and a policy that selects nothing gives the eqx.nn.Linear layers back.
+    back = nveqx.linear_paths(nveqx.convert(converted, Policy()))
+    for path, layer in nveqx.linear_paths(model).items():
+        assert type(back[path]) is eqx.nn.Linear
+        assert back[path].weight is layer.weight and back[path].bias is layer.bias
+
+
+def test_convert_refuses_flax_modules():
+    nnx = pytest.importorskip("flax.nnx")
+    linen = pytest.importorskip("flax.linen")
+    with pytest.raises(TypeError, match=r"jax_nvfp4\.flax\.convert"):
+        nveqx.convert(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), transformer_policy(1))
+    with pytest.raises(TypeError, match="Flax module"):
+        nveqx.convert(linen.Dense(16), transformer_policy(1))
+
+
+# --------------------------------------------------------------------- keys
+
+
+def _mlp(seed=0):
+    """eqx.nn.MLP (its __call__ passes no key to its layers), all in NVFP4."""
+    build = functools.partial(eqx.nn.MLP, K, 16, 48, depth=2, key=jax.random.key(0))
+    return nveqx.convert(_random_init(build, seed), Policy(default=nv.NVFP4))
+
+
+def test_keys_block_gives_each_layer_its_own_key():
+    mlp = _mlp()
+    assert all(isinstance(layer, nveqx.Linear) for layer in mlp.layers)
+    x = jax.random.normal(jax.random.key(1), (B, K), jnp.float32)
+    g = jax.random.normal(jax.random.key(2), (B, 16), jnp.float32)
+
+    @eqx.filter_jit
+    def grads(m, key):
+        def loss(m):
+            with nveqx.keys(key):
+                return jnp.sum(jax.vmap(m)(x) * g)
+
+        return eqx.filter_grad(loss)(m)
+
+    @eqx.filter_jit
+    def by_hand(m, keys):  # the MLP's layers, each given its key
+        def loss(m):
+            h = x
+            for i, (layer, k) in enumerate(zip(m.layers, keys, strict=True)):
+                h = jax.vmap(lambda v, layer=layer, k=k: layer(v, key=k))(h)
+                h = jax.nn.relu(h) if i < len(m.layers) - 1 else h
+            return jnp.sum(h * g)
+
+        return eqx.filter_grad(loss)(m)
+
+    def weights(grads):
+        return [layer.weight for layer in grads.layers]
+
+    key = jax.random.key(3)
+    got = weights(grads(mlp, key))
+    # Call n draws fold_in(key, n): each layer its own bits ...
+    drawn = [jax.random.fold_in(key, i) for i in range(3)]
+    _assert_equal(got, weights(by_hand(mlp, drawn)))
+    same = weights(by_hand(mlp, [drawn[0]] * 3))
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(same[0]))
+    # ... and another step's key other bits.
+    other = weights(grads(mlp, jax.random.key(4)))
+    for a, b in zip(got, other, strict=True):
+        assert not np.array_equal(np.asarray(a), np.asarray(b))
+
+    # Without a key: an error; a key captured by the traced function: an error.
+    with pytest.raises(ValueError, match=r"keys\(step_key\)"):
+        mlp(x[0])
+    with nveqx.keys(key), pytest.raises(ValueError, match="argument"):
+        eqx.filter_jit(lambda m: jax.vmap(m)(x))(mlp)
+    with pytest.raises(TypeError, match="keys"):
+        nveqx.keys(3).__enter__()
+
+
+def test_eqx_mlp_trains_with_keys():
+    mlp = _mlp(seed=1)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, K)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((K, 16)) / np.sqrt(K), jnp.float32)
+    y = x @ y
+
+    @eqx.filter_jit
+    def step(m, key):
+        def loss(m):
+            with nveqx.keys(key):
+                return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+        value, grads = eqx.filter_value_and_grad(loss)(m)
+        return eqx.apply_updates(m, jax.tree.map(lambda g: -1.0 * g, grads)), value
+
+    losses = []
+    for i in range(40):
+        mlp, value = step(mlp, jax.random.key(i))
+        losses.append(float(value))
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -47,15 +47,18 @@ class Stacked(eqx.Module):
     def __init__(self, key):
         self.layers = eqx.filter_vmap(Mlp)(jax.random.split(key, L))
 
-    def __call__(self, h, key, *, per_position=True, remat=None):
+    def __call__(self, h, key, *, per_position=True, wrap=None):
+        """wrap: None, "jit" or a jax.checkpoint policy for the scan body."""
         params, static = eqx.partition(self.layers, eqx.is_array)
 
         def body(h, xs):
             p, k = xs
             return eqx.combine(p, static)(h, k, per_position), None
 
-        if remat is not None:
-            body = jax.checkpoint(body, policy=remat, prevent_cse=False)
+        if wrap == "jit":
+            body = jax.jit(body)
+        elif wrap is not None:
+            body = jax.checkpoint(body, policy=wrap, prevent_cse=False)
         return jax.lax.scan(body, h, (params, jax.random.split(key, L)))[0]
 
 
@@ -121,15 +124,15 @@ def _weights(tree):
     ]
 
 
-@pytest.mark.parametrize("remat", [None, nv.save_fp4_residuals])
-def test_vmap_of_scan_folds_into_one_gemm_per_layer(remat):
+@pytest.mark.parametrize("wrap", [None, nv.save_fp4_residuals, "jit"])
+def test_vmap_of_scan_folds_into_one_gemm_per_layer(wrap):
     model, (x, g) = _model(), _inputs()
 
     def batched(m, x):  # vmap over examples; each vmaps over its positions
-        return jax.vmap(lambda xi: m(xi, KEY, remat=remat))(x)
+        return jax.vmap(lambda xi: m(xi, KEY, wrap=wrap))(x)
 
     def flat(m, x):  # the same layers on the flattened [tokens, D] input
-        y = m(x.reshape(B * S, D), KEY, per_position=False, remat=remat)
+        y = m(x.reshape(B * S, D), KEY, per_position=False, wrap=wrap)
         return y.reshape(B, S, D)
 
     def loss(f):
