@@ -9,6 +9,9 @@ by ``jax_nvfp4.dot_general`` directly, with the key the provider would draw.
 """
 
 import functools
+import importlib.util
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -242,16 +245,15 @@ def test_linen_training_and_keys():
 
 def test_linen_without_key_is_forward_only():
     qmodel, params, x, target = linen_setup(ALL)
-    out = qmodel.apply(params, x)  # no "nvfp4" stream: forward only
-    ref = qmodel.apply(params, x, rngs={"nvfp4": jax.random.key(0)})
-    assert_bitwise_equal(out, ref)
+    apply = jax.jit(lambda p, rngs: qmodel.apply(p, x, rngs=rngs))
+    # No "nvfp4" stream: the same forward pass.
+    assert_bitwise_equal(apply(params, {}), apply(params, {"nvfp4": jax.random.key(0)}))
+    grad = jax.jit(jax.grad(lambda p, m: mse(m.apply(p, x), target)), static_argnums=1)
     with pytest.raises(ValueError, match="rngs=\\{'nvfp4'"):
-        jax.grad(lambda p: mse(qmodel.apply(p, x), target))(params)
+        grad(params, qmodel)
     # A recipe without stochastic rounding needs no key.
-    qmodel = qwix.quantize_model(
-        LinenModel(), NvFp4Provider(ALL, recipe=jax_nvfp4.NVFP4_NO_SR)
-    )
-    jax.grad(lambda p: mse(qmodel.apply(p, x), target))(params)
+    provider = NvFp4Provider(ALL, recipe=jax_nvfp4.NVFP4_NO_SR)
+    grad(params, qwix.quantize_model(LinenModel(), provider))
 
 
 class WeightFirst(nn.Module):
@@ -478,3 +480,22 @@ def test_nnx_training_and_keys():
 
     losses = [float(sgd_step(qmodel, x, target)) for _ in range(4)]
     assert losses[-1] < losses[0], losses
+
+
+def test_maxtext_example():
+    """examples/maxtext_nvfp4.py trains both ways, bf16 beside NVFP4."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
+    spec = importlib.util.spec_from_file_location(
+        "maxtext_nvfp4", os.path.join(path, "maxtext_nvfp4.py")
+    )
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example  # its dataclass looks itself up there
+    try:
+        spec.loader.exec_module(example)
+    finally:
+        del sys.modules[spec.name]
+    results = example.main(["--steps", "3", "--layers", "1"])
+    for losses in results.values():
+        assert set(losses) == {"bf16", "nvfp4"}
+        for run in losses.values():
+            assert np.all(np.isfinite(run)) and run[-1] < run[0], losses
