@@ -43,7 +43,8 @@ is the same with or without a key):
 
 - linen: each NVFP4 product draws ``module.make_rng("nvfp4")`` in the module
   that calls it. Pass ``rngs={"nvfp4": step_key}`` to ``apply`` with a new key
-  each step; Flax folds in the module path and a per-call count.
+  each step; Flax folds in the module path and a per-call count. Under
+  ``nn.scan`` split the stream like any other (``split_rngs={"nvfp4": True}``).
 - NNX: each NVFP4 product draws ``rngs.nvfp4()`` from the ``nnx.Rngs`` that
   qwix looks for on every module as ``qwix_rngs`` (qwix's own way to hand
   keys to NNX modules; ``quantize_model`` leaves it None). After
