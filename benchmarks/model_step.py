@@ -1,0 +1,315 @@
+"""The project's speed yardstick: a Llama training step, bf16 against NVFP4.
+
+    python benchmarks/model_step.py                        # every size, timed
+    python benchmarks/model_step.py --sizes d2048-8k --rounds 3
+    python benchmarks/model_step.py --memory     # peak memory, a process each
+    python benchmarks/model_step.py --profile --sizes d2048-8k   # kernel families
+
+The model is examples/llama_flax.py's (Flax NNX; blocks stacked by nnx.vmap
+and run by nnx.scan; cudnn attention on a GPU; AdamW; fp32 master weights,
+bf16 compute). Sizes (--sizes, comma-separated):
+
+    d2048-8k    d 2048, 8 blocks, 16 heads, SwiGLU 8192, 8 x 1024 tokens
+    d2048-32k   the same at 32 x 1024 tokens
+    d4096-8k    d 4096, 4 blocks, 32 heads, SwiGLU 14336, 8 x 1024 tokens
+    tiny        d 64, 2 blocks, 2 heads, SwiGLU 128, 2 x 64 tokens (CPU smoke)
+
+Precisions (--precisions): bf16; mlp = the default policy (MLP linears of all
+but the last block in NVFP4); mlp+attn = attention projections too. --remat
+picks what each block keeps for the backward pass (examples/llama_flax.py).
+
+Timing: every configuration of a size is compiled first; then rounds in which
+each configuration in turn settles (runs untimed for --settle seconds, so
+that a power-limited GPU reaches that step's own clock) and is timed over
+--steps steps dispatched back to back. Ratios to bf16 are taken within each
+round; the table prints their median and range. --memory runs each
+configuration in a process of its own and reports its peak device memory.
+--profile traces two steps of each configuration with jax.profiler (then
+times six more, unsettled) and sums the device kernels by family (GEMMs,
+attention, NVFP4 quantize, amax, decode, XLA transposes, other fusions),
+printing what NVFP4 adds to bf16's step (device kernels only: nothing on a
+CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import optax
+from common import argument_parser, header, write_json
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import llama_flax  # noqa: E402
+
+from jax_nvfp4.flax import convert  # noqa: E402
+from jax_nvfp4.policy import Policy, transformer_policy  # noqa: E402
+
+SIZES = {
+    # name: (d_model, blocks, heads, ffn, batch, seq_len)
+    "d2048-8k": (2048, 8, 16, 8192, 8, 1024),
+    "d2048-32k": (2048, 8, 16, 8192, 32, 1024),
+    "d4096-8k": (4096, 4, 32, 14336, 8, 1024),
+    "tiny": (64, 2, 2, 128, 2, 64),
+}
+PRECISIONS = ("bf16", "mlp", "mlp+attn")
+
+
+def policy_for(precision: str, blocks: int) -> Policy | None:
+    if precision == "bf16":
+        return None
+    if precision == "mlp":
+        return transformer_policy(blocks, keep_last=1)
+    if precision == "mlp+attn":
+        return transformer_policy(
+            blocks, keep_last=1, nvfp4_patterns=("*mlp*", "*attn*")
+        )
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def build_step(size: str, precision: str, remat: str):
+    """(jitted step, state, batch): one AdamW step of the example's Llama."""
+    d, blocks, heads, ffn, batch, seq = SIZES[size]
+    attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    model = llama_flax.Llama(
+        d_model=d,
+        layers=blocks,
+        heads=heads,
+        ffn=ffn,
+        attention=attention,
+        remat=remat,
+        rngs=nnx.Rngs(params=0),
+    )
+    policy = policy_for(precision, blocks)
+    if policy is not None:
+        convert(model, policy, nnx.Rngs(nvfp4=1))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, tokens):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(llama_flax.next_byte_loss)(model, tokens)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, 256)
+    return jax.jit(step, donate_argnums=0), state, tokens
+
+
+def run_steps(step, state, tokens, n: int):
+    for _ in range(n):
+        state, loss = step(state, tokens)
+    jax.block_until_ready(loss)
+    return state
+
+
+def time_configs(size, precisions, remat, rounds, steps, settle):
+    """{precision: [ms per step, one per round]}, interleaved rounds."""
+    built = {}
+    for precision in precisions:
+        step, state, tokens = build_step(size, precision, remat)
+        state = run_steps(step, state, tokens, 2)  # compile and warm up
+        built[precision] = [step, state, tokens]
+    times = collections.defaultdict(list)
+    for _ in range(rounds):
+        for precision in precisions:
+            step, state, tokens = built[precision]
+            start = time.perf_counter()
+            while time.perf_counter() - start < settle:
+                state = run_steps(step, state, tokens, 1)
+            start = time.perf_counter()
+            state = run_steps(step, state, tokens, steps)
+            times[precision].append((time.perf_counter() - start) / steps * 1e3)
+            built[precision][1] = state
+    return dict(times)
+
+
+def peak_memory(size, precision, remat) -> float | None:
+    """Peak device memory (GiB) of a few steps of one configuration."""
+    step, state, tokens = build_step(size, precision, remat)
+    run_steps(step, state, tokens, 3)
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
+# Kernel families of a traced step, matched on the kernel's name in order.
+FAMILIES = (
+    ("nvfp4 quantize", r"Quantize(Tile|PrivateTile|Rows)Kernel"),
+    ("nvfp4 amax", r"Amax(Columns\w*)?Kernel"),
+    ("nvfp4 decode", r"(DecodeBf16|Dequantize)Kernel"),
+    ("nvfp4 alpha", r"AlphaKernel"),
+    ("GEMM", r"gemm|Gemm|GEMM|nvjet|xmma|cutlass|sm90_"),
+    ("attention", r"cudnn|flash|fmha|attention"),
+    ("XLA transpose", r"transpose"),
+    ("XLA reduce", r"reduce"),
+    ("copy / memset", r"copy|memset|memcpy|Memset|Memcpy"),
+)
+
+
+def family(name: str) -> str:
+    for label, pattern in FAMILIES:
+        if re.search(pattern, name):
+            return label
+    return "other fusions"
+
+
+class _TwoSteps:
+    """Two steps per call, the state carried between calls (it is donated)."""
+
+    def __init__(self, step, state):
+        self.step, self.state = step, state
+
+    def __call__(self, tokens):
+        for _ in range(2):
+            self.state, loss = self.step(self.state, tokens)
+        return loss
+
+
+def profile(size, precisions, remat):
+    """{precision: {family: µs per step}} of two traced steps each."""
+    from step_profile import trace_events
+
+    result = {}
+    for precision in precisions:
+        step, state, tokens = build_step(size, precision, remat)
+        state = run_steps(step, state, tokens, 2)
+        two_steps = _TwoSteps(step, state)
+        lines = trace_events(two_steps, tokens, warmup=1)
+        start = time.perf_counter()
+        jax.block_until_ready([two_steps(tokens) for _ in range(3)])
+        wall_ms = (time.perf_counter() - start) / 6 * 1e3
+        families = collections.defaultdict(float)
+        names = collections.defaultdict(float)
+        for line, events in lines.items():
+            if "XLA Ops" in line or "Modules" in line or "Steps" in line:
+                continue  # XLA's own op lines repeat the stream's kernels
+            for name, ns, _ in events:
+                families[family(name)] += ns / 1e3 / 2  # per step
+                names[name] += ns / 1e3 / 2
+        result[precision] = {
+            "families": dict(families),
+            "top": dict(names),
+            "wall_ms": wall_ms,
+        }
+    return result
+
+
+def main(argv=None):
+    parser = argument_parser(__doc__)
+    parser.add_argument("--sizes", default="d2048-8k,d2048-32k,d4096-8k")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--remat", default="none", choices=llama_flax.REMAT_POLICIES)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps a round")
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds")
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--only", help=argparse_hidden())
+    parser.add_argument("--out", help="write every sample as JSON here")
+    args = parser.parse_args(argv)
+    sizes = args.sizes.split(",")
+    precisions = args.precisions.split(",")
+    if precisions[0] != "bf16":
+        raise SystemExit("--precisions must start with bf16 (the baseline)")
+    for size in sizes:
+        if size not in SIZES:
+            raise SystemExit(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+
+    if args.only:  # a child of --memory: one configuration, one line of JSON
+        size, precision = args.only.split(":")
+        print(json.dumps({"peak_gib": peak_memory(size, precision, args.remat)}))
+        return
+
+    print(header())
+    print(f"remat={args.remat}")
+    payload = {"remat": args.remat, "sizes": {}}
+    for size in sizes:
+        d, blocks, heads, ffn, batch, seq = SIZES[size]
+        print(
+            f"\n{size}: d {d}, {blocks} blocks, {heads} heads, SwiGLU {ffn}, "
+            f"{batch} x {seq} tokens"
+        )
+        record = payload["sizes"][size] = {}
+        if args.memory:
+            record["peak_gib"] = {}
+            for precision in precisions:
+                child = subprocess.run(
+                    [sys.executable, __file__, "--only", f"{size}:{precision}"]
+                    + ["--remat", args.remat],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                lines = child.stdout.strip().splitlines()
+                peak = json.loads(lines[-1])["peak_gib"] if lines else None
+                record["peak_gib"][precision] = peak
+                base = record["peak_gib"]["bf16"]
+                ratio = f"{peak / base:.2f}x bf16" if peak and base else ""
+                shown = "n/a" if peak is None else f"{peak:.2f} GiB"
+                print(f"  peak memory {precision:9s} {shown} {ratio}")
+                if child.returncode:
+                    print(child.stderr[-2000:], file=sys.stderr)
+        elif args.profile:
+            result = profile(size, precisions, args.remat)
+            record["profile"] = result
+            families = sorted(
+                {f for r in result.values() for f in r["families"]},
+                key=lambda f: -result[precisions[-1]]["families"].get(f, 0),
+            )
+            print(f"  {'µs per step':24s}" + "".join(f"{p:>12s}" for p in precisions))
+            for f in families + ["busy"]:
+                values = [
+                    sum(result[p]["families"].values())
+                    if f == "busy"
+                    else result[p]["families"].get(f, 0.0)
+                    for p in precisions
+                ]
+                print(f"  {f:24s}" + "".join(f"{v:12,.0f}" for v in values))
+            base = sum(result["bf16"]["families"].values())
+            for p in precisions[1:]:
+                busy = sum(result[p]["families"].values())
+                wall = result[p]["wall_ms"] / result["bf16"]["wall_ms"]
+                busy_ratio = f"{busy / base:.3f}x" if base else "n/a"
+                print(
+                    f"  {p}: busy time {busy_ratio} bf16; wall clock of 6 "
+                    f"unsettled steps {result[p]['wall_ms']:.2f} ms, {wall:.3f}x bf16"
+                )
+            top = result[precisions[-1]]["top"]
+            print(f"  largest kernels of {precisions[-1]}:")
+            for name, us in sorted(top.items(), key=lambda kv: -kv[1])[:15]:
+                print(f"    {us:10,.0f} µs  {name[:90]}")
+        else:
+            times = time_configs(
+                size, precisions, args.remat, args.rounds, args.steps, args.settle
+            )
+            record["ms_per_step"] = times
+            for precision in precisions:
+                ratios = [
+                    t / b for t, b in zip(times[precision], times["bf16"], strict=True)
+                ]
+                print(
+                    f"  {precision:9s} {statistics.median(times[precision]):9.2f} "
+                    f"ms/step  {statistics.median(ratios):.3f}x bf16 "
+                    f"({min(ratios):.3f}..{max(ratios):.3f})"
+                )
+    if args.out:
+        write_json(args.out, payload)
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
