@@ -428,6 +428,39 @@ def _forward_only_bwd(recipe, static, message, residuals, dy):
 _forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
 
 
+def _refuse_forward_mode(*operands) -> None:
+    """Raises a clear TypeError where the recipe is differentiated in forward
+    mode (``jax.jvp``, ``jacfwd``): its derivative is defined only as a VJP
+    (stochastic rounding and the FP4 backward GEMMs have no JVP). With direct
+    linearization (JAX's default) reverse mode runs under a LinearizeTrace,
+    so a JVPTrace carrying a tangent for an operand is forward mode; JAX's
+    own, less specific error remains where that cannot be told."""
+    try:
+        from jax._src import core
+        from jax._src.interpreters import ad
+
+        if not jax.config.jax_use_direct_linearize:
+            return
+        trace = core.trace_ctx.trace
+        if not isinstance(trace, ad.JVPTrace):
+            return
+        tangents = [
+            a.tangent
+            for a in operands
+            if isinstance(a, ad.JVPTracer) and a._trace is trace
+        ]
+    except (ImportError, AttributeError):  # other JAX versions: JAX's error
+        return
+    if any(not isinstance(t, ad.Zero) for t in tangents):
+        raise TypeError(
+            "jax_nvfp4's NVFP4 products define their derivative as a VJP (the "
+            "recipe's DGRAD and WGRAD GEMMs), not a JVP: forward-mode "
+            "differentiation (jax.jvp, jax.jacfwd, jax.hessian) is not "
+            "supported. Use jax.grad / jax.vjp / jax.jacrev, or a bf16 model "
+            "(recipe=jax_nvfp4.BF16) for forward-mode derivatives."
+        )
+
+
 def _dot2d(
     x2,
     w2,
@@ -447,6 +480,7 @@ def _dot2d(
             f"recipe must be a jax_nvfp4.Recipe (e.g. jax_nvfp4.NVFP4), got {recipe!r}"
         )
     _check_operands(x2, w2, nk, recipe)
+    _refuse_forward_mode(x2, w2)
     static = (
         jnp.dtype(x2.dtype),
         jnp.dtype(preferred_element_type or x2.dtype),

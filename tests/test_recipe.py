@@ -230,10 +230,39 @@ def test_higher_order_derivatives_raise_clearly():
     def f(w):
         return jnp.sum(nv.dot(x, w, recipe=nv.NVFP4_NO_SR))
 
-    with pytest.raises(NotImplementedError, match="Higher-order derivatives of jax_nvfp4.dot"):
+    with pytest.raises(
+        NotImplementedError, match="Higher-order derivatives of jax_nvfp4.dot"
+    ):
         jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2))(w)
     with pytest.raises(NotImplementedError, match="no derivative"):
         jax.jvp(lambda x: nv.quantize(x).codes, (x,), (x,))
+
+
+def test_forward_mode_raises_naming_reverse_mode():
+    x = jnp.ones((16, 32))
+    w = jnp.ones((32, 16))
+
+    def f(w):
+        return nv.dot(x, w, recipe=nv.NVFP4_NO_SR)
+
+    for forward_mode in (
+        lambda: jax.jvp(f, (w,), (w,)),
+        lambda: jax.jacfwd(lambda w: jnp.sum(f(w)))(w),
+        lambda: jax.jit(lambda w: jax.jvp(f, (w,), (w,)))(w),
+        lambda: jax.jvp(
+            lambda x: nv.dot_general(
+                x, w, (((1,), (0,)), ((), ())), key=jax.random.key(0)
+            ),
+            (x,),
+            (x,),
+        ),
+    ):
+        with pytest.raises(TypeError, match=r"not a JVP.*jax.grad / jax.vjp"):
+            forward_mode()
+    # Reverse mode, and a jvp whose tangent does not reach the product, work.
+    assert jax.jacrev(lambda w: jnp.sum(f(w), 0))(w).shape == (16, 32, 16)
+    _, tangent = jax.jvp(lambda s: s * jnp.sum(f(w)), (1.0,), (1.0,))
+    assert tangent == jnp.sum(f(w))
 
 
 def test_dot_runs_the_handlers_on_the_default_backend():
