@@ -9,9 +9,20 @@ float32 copy. With ``--precision nvfp4*`` the model is converted by
 all but the last ``--keep-last`` blocks run the NVFP4 recipe; attention,
 embeddings and the output head stay in bf16.
 
+Production shape: the blocks are one stack, built by ``eqx.filter_vmap``
+(every array has a leading layer axis) and run by ``lax.scan``, so compile
+time does not grow with depth; each scan step is wrapped in
+``jax.checkpoint`` with ``--remat`` (default: keep only the NVFP4 layers' FP4
+residuals, ``jax_nvfp4.save_fp4_residuals``, and recompute the rest). The
+stacked MLP linears become stacked ``jax_nvfp4.equinox.Linear``s; the policy's
+``keep_last`` is a per-layer switch in them that runs the last blocks' product
+in bf16 inside the scan. Each step of the scan gets its own stochastic-rounding
+key (``jax.random.split`` over the layers, scanned with the weights).
+
 The model is written per example and per position, the Equinox way:
 ``jax.vmap`` over the batch of a model that ``jax.vmap``s its linears over
-the positions; the NVFP4 layers fold both maps into one GEMM over all tokens.
+the positions; the NVFP4 layers fold both maps -- through the scan and the
+checkpoint -- into one GEMM over all tokens of the batch.
 
     python examples/text_data.py prepare --out .data/      # once (network)
     python examples/llama_equinox.py --precision nvfp4     # CPU: about a minute
@@ -35,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_common  # noqa: E402
 
 import jax_nvfp4.equinox as nveqx  # noqa: E402
+from jax_nvfp4 import save_fp4_residuals  # noqa: E402
 from jax_nvfp4.policy import transformer_policy  # noqa: E402
 
 VOCAB = 256
@@ -149,30 +161,60 @@ class Block(eqx.Module):
         return x + self.mlp(jax.vmap(self.mlp_norm)(x), key=km)
 
 
+# --remat: what jax.checkpoint keeps of each block for the backward pass.
+REMAT_POLICIES = {
+    "none": None,  # no remat: XLA keeps what the backward pass reads
+    "fp4": save_fp4_residuals,  # only the FP4 residuals; the rest recomputed
+    "dots": jax.checkpoint_policies.dots_saveable,  # every matmul output
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute everything
+}
+
+
 class Llama(eqx.Module):
     embed: eqx.nn.Embedding
-    layers: list[Block]
+    layers: Block  # the stack: every array with a leading [num_layers] axis
     norm: RMSNorm
     lm_head: eqx.nn.Linear
     heads: int = eqx.field(static=True)
+    num_layers: int = eqx.field(static=True)
+    remat: str = eqx.field(static=True)
 
-    def __init__(self, *, d_model, layers, heads, ffn, attention=None, key):
-        ke, kh, *kl = jax.random.split(key, layers + 2)
+    def __init__(
+        self, *, d_model, layers, heads, ffn, attention=None, remat="fp4", key
+    ):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}")
+        ke, kh, kl = jax.random.split(key, 3)
         weight = 0.02 * jax.random.normal(ke, (VOCAB, d_model), jnp.float32)
         self.embed = eqx.nn.Embedding(weight=weight)
-        self.layers = [
-            Block(d_model, heads, ffn, attention=attention, key=k) for k in kl
-        ]
+
+        def block(k):
+            return Block(d_model, heads, ffn, attention=attention, key=k)
+
+        self.layers = eqx.filter_vmap(block)(jax.random.split(kl, layers))
         self.norm = RMSNorm(d_model)
         self.lm_head = eqx.nn.Linear(d_model, VOCAB, use_bias=False, key=kh)
         self.heads = heads
+        self.num_layers = layers
+        self.remat = remat
 
     def __call__(self, tokens: jax.Array, *, key=None) -> jax.Array:
         """tokens int32 [S] -> logits float32 [S, 256] (one example)."""
         x = jax.vmap(self.embed)(tokens)
         cos, sin = rope_tables(tokens.shape[0], x.shape[-1] // self.heads)
-        for block, k in zip(self.layers, _split(key, len(self.layers)), strict=True):
-            x = block(x, cos, sin, key=k)
+        # The scan slices every array of the stack (weights, and the per-layer
+        # NVFP4 switch of converted layers) and the per-layer keys.
+        params, static = eqx.partition(self.layers, eqx.is_array)
+        keys = None if key is None else jax.random.split(key, self.num_layers)
+
+        def step(x, layer):
+            block_params, k = layer
+            return eqx.combine(block_params, static)(x, cos, sin, key=k), None
+
+        policy = REMAT_POLICIES[self.remat]
+        if self.remat != "none":
+            step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+        x, _ = jax.lax.scan(step, x, (params, keys))
         x = jax.vmap(self.norm)(x)
         return _per_position(self.lm_head, x, None).astype(jnp.float32)
 
@@ -199,6 +241,7 @@ def build(args: argparse.Namespace):
         heads=args.heads,
         ffn=args.ffn,
         attention=None if args.attention == "xla" else args.attention,
+        remat=args.remat,
         key=jax.random.key(args.seed),
     )
     recipe = train_common.PRECISIONS[args.precision]
@@ -210,6 +253,17 @@ def build(args: argparse.Namespace):
         model = nveqx.convert(model, policy)
     optimizer, schedule = train_common.make_optimizer(args)
     return model, optimizer, schedule, policy
+
+
+def count_nvfp4_layers(model) -> tuple[int, int]:
+    """(linear layers, those in NVFP4), each layer of a stack counted."""
+    total = converted = 0
+    for layer in nveqx.linear_paths(model).values():
+        size = layer.weight.shape[0] if layer.weight.ndim > 2 else 1
+        total += size
+        if isinstance(layer, nveqx.Linear):
+            converted += size if layer.nvfp4 is None else int(layer.nvfp4.sum())
+    return total, converted
 
 
 def main(argv=None) -> list[dict]:
@@ -226,6 +280,14 @@ def main(argv=None) -> list[dict]:
         "attention on NVIDIA GPUs)",
     )
     parser.add_argument(
+        "--remat",
+        choices=sorted(REMAT_POLICIES),
+        default="fp4",
+        help="what each block keeps for the backward pass: fp4 = only the NVFP4 "
+        "layers' FP4 residuals (jax_nvfp4.save_fp4_residuals), dots = every matmul "
+        "output, full = nothing, none = no remat",
+    )
+    parser.add_argument(
         "--plot",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -237,11 +299,10 @@ def main(argv=None) -> list[dict]:
     model, optimizer, schedule, _ = build(args)
     params = eqx.filter(model, eqx.is_inexact_array)
     n_params = sum(a.size for a in jax.tree.leaves(params))
-    layers = nveqx.linear_paths(model)
-    converted = [p for p, layer in layers.items() if isinstance(layer, nveqx.Linear)]
+    total, converted = count_nvfp4_layers(model)
     print(
-        f"{label}: {n_params / 1e6:.1f}M parameters; {len(converted)} of "
-        f"{len(layers)} linear layers in NVFP4 ({args.precision})",
+        f"{label}: {n_params / 1e6:.1f}M parameters; {converted} of {total} "
+        f"linear layers in NVFP4 ({args.precision}, --remat {args.remat})",
         flush=True,
     )
 
