@@ -187,10 +187,16 @@ def _fold_rule(args, dims, *, recipe):
 
 
 def _fold_jvp(primals, tangents, *, recipe):
-    """Differentiated before a vmap batched it: the plain dot's derivative."""
+    """Differentiated before a vmap batched it: the plain dot's derivative.
+
+    Through ``jax.linearize``, not ``jax.jvp``: the plain dot's derivative is
+    a VJP, which reverse mode (``grad``, the only mode the recipe supports)
+    reaches by transposing the linearization.
+    """
     x, w, kd = primals
     dx, dw = (ad.instantiate_zeros(t) for t in tangents[:2])
-    return jax.jvp(lambda x, w: _plain_dot(recipe, x, w, kd), (x, w), (dx, dw))
+    y, linear = jax.linearize(lambda x, w: _plain_dot(recipe, x, w, kd), x, w)
+    return y, linear(dx, dw)
 
 
 def _fold_impl(x, w, kd, *, recipe):
