@@ -73,14 +73,18 @@ inline ffi::Error CheckNotDecoded(const QuantizeOptions& options) {
 }
 
 // The origin operand is int32 [3] and the whole tensor is at least as large
-// as this call's input.
+// as this call's input. A global size of 0 means this call's own size: the
+// caller quantizes the whole tensor along that axis and may not know the size
+// statically (a symbolic dimension under jax.export); it is resolved here.
 inline ffi::Error CheckPlace(const MatrixDims& d,
                              const ffi::Buffer<ffi::S32>& origin,
-                             const GlobalPlace& g) {
+                             GlobalPlace* g) {
   if (origin.element_count() != 3) {
     return InvalidArgument("origin must be int32[3] (batch, m, k offsets)");
   }
-  if (g.global_m < d.m || g.global_k < d.k) {
+  if (g->global_m == 0) g->global_m = d.m;
+  if (g->global_k == 0) g->global_k = d.k;
+  if (g->global_m < d.m || g->global_k < d.k) {
     return InvalidArgument("global_m/global_k smaller than the input");
   }
   return ffi::Error::Success();

@@ -339,7 +339,9 @@ def _quantize_placed(x, amax, key, origin, transposed, spec, place):
     _, m, k = x.shape
     o = jnp.zeros(3, jnp.int32) if origin is None else origin
     q = x.astype(jnp.float32)
-    global_shape = (m, k) if place is None else (place.global_m, place.global_k)
+    global_shape = (m, k)
+    if place is not None:  # a global size of 0 is this call's own (see Place)
+        global_shape = (place.global_m or m, place.global_k or k)
     if transposed:
         q, o, global_shape = (
             jnp.swapaxes(q, 1, 2),

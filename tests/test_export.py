@@ -47,3 +47,23 @@ def test_safety_checks_name_every_gemm_target():
     names = {str(c) for c in nv.export_safety_checks()}
     for target in ("jax_nvfp4_matmul_bf16_graph", "jax_nvfp4_matmul_fp4_sm100"):
         assert any(target in n for n in names), names
+
+
+@pytest.mark.parametrize("tokens", ["t", "16*t"], ids=["t", "16t"])
+def test_symbolic_token_dimension(tokens):
+    """A shape-polymorphic token count exports once and runs at several sizes
+    (multiples of 16 or not), giving the bytes of the step traced at each."""
+    _, w, key = _args()
+    x_spec = jax.ShapeDtypeStruct(export.symbolic_shape(f"{tokens}, 64"), jnp.bfloat16)
+    exported = export.export(jax.jit(_step), disabled_checks=nv.export_safety_checks())(
+        x_spec, w, key
+    )
+    restored = export.deserialize(exported.serialize())
+    for n in (1, 3) if tokens == "16*t" else (16, 40):
+        x = jax.random.normal(jax.random.key(n), (16 * n if tokens != "t" else n, 64))
+        x = x.astype(jnp.bfloat16)
+        got, want = restored.call(x, w, key), jax.jit(_step)(x, w, key)
+        for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(g, np.float32), np.asarray(r, np.float32)
+            )

@@ -76,7 +76,7 @@ ffi::Error CheckQuantizeInput(const ffi::AnyBuffer& x, bool cols,
                               const ffi::Buffer<ffi::F32>& amax,
                               const ffi::Buffer<ffi::U32>& key,
                               const ffi::Buffer<ffi::S32>& origin,
-                              const GlobalPlace& place,
+                              GlobalPlace* place,
                               const QuantizeOptions& options, MatrixDims* d) {
   if (!IsSupportedInputType(x.element_type())) {
     return InvalidArgument("input must be float32, bfloat16 or float16");
@@ -147,7 +147,7 @@ ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
   if (auto e = CheckNotDecoded(options); e.failure()) return e;
   MatrixDims d;
   if (auto e =
-          CheckQuantizeInput(x, kCols, amax, key, origin, place, options, &d);
+          CheckQuantizeInput(x, kCols, amax, key, origin, &place, options, &d);
       e.failure()) {
     return e;
   }
@@ -179,9 +179,9 @@ ffi::Error QuantizeRowsColsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
   const ScopedFlushSubnormals flush_subnormals;
   MatrixDims d;
   for (const bool side_cols : {false, true}) {
-    if (auto e =
-            CheckQuantizeInput(x, side_cols, side_cols ? col_amax : row_amax,
-                               key, origin, place, side_cols ? cols : rows, &d);
+    if (auto e = CheckQuantizeInput(
+            x, side_cols, side_cols ? col_amax : row_amax, key, origin, &place,
+            side_cols ? cols : rows, &d);
         e.failure()) {
       return e;
     }

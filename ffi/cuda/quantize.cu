@@ -49,7 +49,7 @@ ffi::Error CheckQuantize(const ffi::AnyBuffer& x, bool cols,
 ffi::Error CheckQuantizePlaced(
     const ffi::AnyBuffer& x, bool cols, const ffi::Buffer<ffi::F32>& amax,
     const ffi::Buffer<ffi::U32>& key, const ffi::Buffer<ffi::S32>& origin,
-    const GlobalPlace& place, const QuantizeOptions& options,
+    GlobalPlace* place, const QuantizeOptions& options,
     ffi::Result<ffi::Buffer<ffi::U8>>& codes,
     ffi::Result<ffi::AnyBuffer>& scales, MatrixDims* d) {
   if (auto e = CheckQuantize(x, cols, amax, key, options, codes, scales, d);
@@ -125,7 +125,7 @@ ffi::Error QuantizeRowsCuda(cudaStream_t stream, ffi::AnyBuffer x,
                             QuantizeOptions options, GlobalPlace place) {
   if (auto e = CheckNotDecoded(options); e.failure()) return e;
   MatrixDims d;
-  if (auto e = CheckQuantizePlaced(x, /*cols=*/false, amax, key, origin, place,
+  if (auto e = CheckQuantizePlaced(x, /*cols=*/false, amax, key, origin, &place,
                                    options, codes, scales, &d);
       e.failure()) {
     return e;
@@ -154,7 +154,7 @@ ffi::Error QuantizeColsCuda(cudaStream_t stream, ffi::AnyBuffer x,
                             QuantizeOptions options, GlobalPlace place) {
   if (auto e = CheckNotDecoded(options); e.failure()) return e;
   MatrixDims d;
-  if (auto e = CheckQuantizePlaced(x, /*cols=*/true, amax, key, origin, place,
+  if (auto e = CheckQuantizePlaced(x, /*cols=*/true, amax, key, origin, &place,
                                    options, codes, scales, &d);
       e.failure()) {
     return e;
@@ -193,7 +193,7 @@ ffi::Error QuantizeRowsColsCuda(
                                       row_values, row_scales),
                  CheckDecodableOutput(d.batch, d.k, d.m, cols.decoded,
                                       col_values, col_scales),
-                 CheckPlace(d, origin, place)}) {
+                 CheckPlace(d, origin, &place)}) {
     if (e.failure()) return e;
   }
   if ((rows.decoded && !IsAligned(row_values->untyped_data(), 16)) ||

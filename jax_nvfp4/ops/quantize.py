@@ -68,6 +68,11 @@ class Place:
     global_k: int
     example_batch: int = 0
 
+    # A global size of 0 is the call's own size along that axis: the whole
+    # tensor is quantized there. FFI attributes must be static, and under
+    # jax.export's shape polymorphism the call's own size may be symbolic;
+    # the handlers (and the reference) resolve 0 from the operand's shape.
+
 
 def fused_writes_values(dtype, rows: QuantizeSpec, cols: QuantizeSpec) -> bool:
     """Whether the fused quantize can write decoded outputs for these options:
@@ -246,11 +251,16 @@ quantize_rows_cols_p = _define(
 )
 
 
+def _static_or_own(size) -> int:
+    return size if isinstance(size, int) else 0
+
+
 def _placed(x, origin, place):
-    """Defaults: x is the whole tensor (origin 0, global sizes = local)."""
+    """Defaults: x is the whole tensor (origin 0, global sizes = local; a
+    symbolic size, under jax.export, is passed as 0: see Place)."""
     _, m, k = x.shape
     if place is None:
-        place = Place(global_m=m, global_k=k)
+        place = Place(global_m=_static_or_own(m), global_k=_static_or_own(k))
     return (jnp.zeros(3, jnp.int32) if origin is None else origin), place
 
 
