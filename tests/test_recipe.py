@@ -265,6 +265,28 @@ def test_forward_mode_raises_naming_reverse_mode():
     assert tangent == jnp.sum(f(w))
 
 
+def test_disable_jit_runs_the_same_bits():
+    """Under jax.disable_jit the primitives still run (compiled one by one),
+    with the bits of the jitted step."""
+    x = _normal_for_disable_jit(0, (32, 32))
+    w = _normal_for_disable_jit(1, (32, 16))
+
+    def step(w):
+        return jax.value_and_grad(
+            lambda w: jnp.sum(nv.dot(x, w, key=jax.random.key(3)))
+        )(w)
+
+    want = jax.jit(step)(w)
+    with jax.disable_jit():
+        got = step(w)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, r)
+
+
+def _normal_for_disable_jit(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
 def test_dot_runs_the_handlers_on_the_default_backend():
     """The compiled training step calls the quantize handlers (not their
     pure-JAX twins) wherever handlers exist for the default backend."""

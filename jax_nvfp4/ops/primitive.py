@@ -66,6 +66,14 @@ def _jitted_bind(prim, params):
     return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
 
 
+def _eager(prim, *args, **params):
+    """The eager implementation: the primitive compiled on its own. Under
+    jax.disable_jit the jit would run this implementation again (forever), so
+    jit stays enabled here, as JAX does for its own primitives."""
+    with jax.disable_jit(False):
+        return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+
+
 def ffi_attributes(params: dict, drop=()) -> dict:
     """A primitive's params as FFI attributes: dataclasses become dictionaries
     of their fields; the params in ``drop`` are left out."""
@@ -147,9 +155,7 @@ def define(
     prim = Primitive(name)
     prim.multiple_results = multiple
     prim.def_abstract_eval(abstract_eval)
-    prim.def_impl(
-        lambda *args, **params: _jitted_bind(prim, tuple(sorted(params.items())))(*args)
-    )
+    prim.def_impl(functools.partial(_eager, prim))
     batching.primitive_batchers[prim] = batch_rule
     ad.primitive_jvps[prim] = functools.partial(_no_derivative, name)
     sharded = sharding.partitioned(local_fn, layout, origin_arg=origin_arg)
