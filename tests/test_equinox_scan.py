@@ -3,6 +3,8 @@ through scan / checkpoint bodies (in the jaxpr and bit for bit against the
 layers on the flattened tokens), the cases that fall back to per-example
 batching, and stacked layers converted with keep_last."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -124,6 +126,31 @@ def _weights(tree):
     ]
 
 
+def _output_and_grads(f):
+    """f(model, x), and the gradients of sum(f(model, x) * g): the weights'
+    and x's (jitted)."""
+    model, (x, g) = _model(), _inputs()
+
+    def loss(mx):
+        y = f(*mx)
+        return jnp.sum(y * g), y
+
+    value_and_grad = eqx.filter_value_and_grad(loss, has_aux=True)
+    (_, y), (dm, dx) = eqx.filter_jit(value_and_grad)((model, x))
+    return y, _weights(dm), dx
+
+
+@functools.cache
+def _on_flat_tokens():
+    """The reference: the layers called on the flattened [tokens, D] input."""
+
+    def flat(m, x):
+        y = m(x.reshape(B * S, D), KEY, per_position=False)
+        return y.reshape(B, S, D)
+
+    return _output_and_grads(flat)
+
+
 @pytest.mark.parametrize("wrap", [None, nv.save_fp4_residuals, "jit"])
 def test_vmap_of_scan_folds_into_one_gemm_per_layer(wrap):
     model, (x, g) = _model(), _inputs()
@@ -131,31 +158,19 @@ def test_vmap_of_scan_folds_into_one_gemm_per_layer(wrap):
     def batched(m, x):  # vmap over examples; each vmaps over its positions
         return jax.vmap(lambda xi: m(xi, KEY, wrap=wrap))(x)
 
-    def flat(m, x):  # the same layers on the flattened [tokens, D] input
-        y = m(x.reshape(B * S, D), KEY, per_position=False, wrap=wrap)
-        return y.reshape(B, S, D)
-
-    def loss(f):
-        return lambda m, x: jnp.sum(f(m, x) * g)
-
     # Each GEMM runs over all B * S = 120 tokens, padded once to 128 (codes
     # hold two values a byte): FPROP and DGRAD take [1, 128, features / 2],
     # WGRAD dY^T [1, features, 64]. Per sequence it would be [3, 48, ...].
     forward = _primitives(batched, model, x)
     assert forward["nvfp4_matmul"] == [(1, 128, D // 2), (1, 128, F // 2)]
-    gemms = _primitives(eqx.filter_grad(loss(batched)), model, x)["nvfp4_matmul"]
+    loss = eqx.filter_grad(lambda m, x: jnp.sum(batched(m, x) * g))
+    gemms = _primitives(loss, model, x)["nvfp4_matmul"]
     assert len(gemms) >= 6
     for shape in gemms:
         assert shape[0] == 1 and (shape[1] == 128 or shape[2] == 64), gemms
 
     # Bit for bit the computation on the flat tokens, forward and backward.
-    got = eqx.filter_jit(batched)(model, x)
-    _assert_equal(got, eqx.filter_jit(flat)(model, x))
-    grad = eqx.filter_grad(loss(batched), has_aux=False)
-    want = eqx.filter_grad(loss(flat))
-    _assert_equal(_weights(eqx.filter_jit(grad)(model, x)), _weights(want(model, x)))
-    dx = eqx.filter_jit(jax.grad(loss(batched), argnums=1))(model, x)
-    _assert_equal(dx, eqx.filter_jit(jax.grad(loss(flat), argnums=1))(model, x))
+    _assert_equal(_output_and_grads(batched), _on_flat_tokens())
 
 
 def test_unbatched_scan_inside_vmap_is_the_plain_dot():
