@@ -21,6 +21,7 @@ from jax_nvfp4.format import (
     NVFP4Tensor,
 )
 from jax_nvfp4.matmul import matmul
+from jax_nvfp4.projection import dot, dot_general
 from jax_nvfp4.quantize import (
     dequantize,
     global_amax,
@@ -36,8 +37,6 @@ from jax_nvfp4.recipe import (
     W_RESIDUAL,
     X_RESIDUAL,
     Recipe,
-    dot,
-    dot_general,
     save_fp4_residuals,
 )
 

@@ -93,7 +93,8 @@ from jax.interpreters import ad, batching, mlir
 from jax_nvfp4.ops import sharding
 from jax_nvfp4.ops.primitive import with_varying
 from jax_nvfp4.policy import Policy, path_string, warn_unmatched_rules
-from jax_nvfp4.recipe import NVFP4, Recipe, _explicit_sharding, dot_general
+from jax_nvfp4.projection import dot_general
+from jax_nvfp4.recipe import NVFP4, Recipe, _explicit_sharding
 
 __all__ = ["Linear", "convert", "keys", "linear_paths", "plan"]
 

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
-from jax_nvfp4 import recipe as _recipe
+from jax_nvfp4 import projection
 from jax_nvfp4.policy import Policy, path_string, warn_unmatched_rules
 from jax_nvfp4.recipe import NVFP4, Recipe
 
@@ -89,7 +89,7 @@ def _dot_general(
     forward-only product whose gradient says how to give the layer a key."""
     if preferred_element_type is not None:
         preferred_element_type = jnp.dtype(preferred_element_type)
-    return _recipe.dot_general(
+    return projection.dot_general(
         lhs,
         rhs,
         dimension_numbers,

@@ -71,7 +71,7 @@ import qwix
 from flax import linen, nnx
 from qwix._src.utils import flax_util
 
-from jax_nvfp4 import recipe as _recipe
+from jax_nvfp4 import projection
 from jax_nvfp4.recipe import NVFP4, Recipe
 
 __all__ = [
@@ -315,7 +315,7 @@ class NvFp4Provider(qwix.QtProvider):
         key = self._key() if recipe.needs_key else None
         if preferred_element_type is not None:
             preferred_element_type = jnp.dtype(preferred_element_type)
-        return _recipe.dot_general(
+        return projection.dot_general(
             x,
             w,
             ((tuple(xc), tuple(wc)), ((), ())),
