@@ -1,0 +1,154 @@
+"""Folding enclosing ``vmap``s into the token axis of an NVFP4 product.
+
+Per-example layers (Equinox's) run under ``jax.vmap``; run literally, each
+example would be quantized and multiplied on its own (its tokens padded to a
+block of 16, its own amax, a per-example weight gradient summed afterwards).
+``folded_dot`` instead binds a primitive whose batching rule reshapes x
+[batch, ..., K] to [batch * ..., K] and calls the product again, so nested
+maps fold into one ``dot`` over all tokens, exactly the computation of
+``dot`` on the folded tokens, forward and backward.
+
+The primitive is bound only where a ``vmap`` will batch it before anything
+differentiates it: the innermost trace is a ``BatchTrace``, or a chain of
+bodies being traced into jaxprs (scan, checkpoint, jit, cond) whose first
+enclosing trace is one (read from ``DynamicJaxprTrace.parent_trace``; where
+JAX's internals are missing nothing folds). Differentiated before a vmap
+batched it, or run unbatched, it is the plain ``dot``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_nvfp4.ops import sharding
+from jax_nvfp4.ops.primitive import with_varying
+from jax_nvfp4.projection import dot_general
+from jax_nvfp4.recipe import Recipe, _explicit_sharding
+
+__all__ = ["folded_dot", "trace_classes"]
+
+
+def trace_classes():
+    """(the current trace, DynamicJaxprTrace, BatchTrace), or None where these
+    JAX internals are missing (then nothing folds)."""
+    try:
+        from jax._src import core
+        from jax._src.interpreters import batching as _batching
+        from jax._src.interpreters import partial_eval as pe
+
+        return core.trace_ctx.trace, pe.DynamicJaxprTrace, _batching.BatchTrace
+    except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
+        return None
+
+
+def _vmap_encloses() -> bool:
+    """True when the innermost transformation is a ``jax.vmap``, or bodies
+    being traced into jaxprs (scan, checkpoint, jit, cond) whose first
+    enclosing transformation is a ``jax.vmap``.
+
+    Only then is the fold primitive bound: that ``vmap`` batches it -- at
+    once, or by batching the jaxpr that holds it (the batching rules of scan,
+    remat, pjit and cond batch their bodies) -- before anything
+    differentiates it.
+    """
+    found = trace_classes()
+    if found is None:  # pragma: no cover - other JAX versions
+        return False
+    trace, staging, batch = found
+    for _ in range(1000):  # a parent chain, not a cycle; bounded all the same
+        if not isinstance(trace, staging):
+            break
+        trace = getattr(trace, "parent_trace", None)
+    return isinstance(trace, batch)
+
+
+def _plain_dot(recipe: Recipe, x: jax.Array, w: jax.Array, kd: jax.Array):
+    """x [..., K] . w [N, K]^T: the weight read as stored (no transpose)."""
+    return dot_general(
+        x,
+        w,
+        (((x.ndim - 1,), (1,)), ((), ())),
+        key=kd if recipe.needs_key else None,
+        recipe=recipe,
+    )
+
+
+def folded_dot(recipe: Recipe, x: jax.Array, w: jax.Array, kd: jax.Array):
+    """``dot(x, w)`` with every enclosing ``vmap`` folded into x's token axis.
+
+    x [..., K], w [N, K] (same dtype), kd uint32[2] key words.
+    """
+    if (
+        _fold_p is not None
+        and _vmap_encloses()
+        and _explicit_sharding(x) is None
+        and _explicit_sharding(w) is None
+    ):
+        return _fold_p.bind(x, w, kd, recipe=recipe)
+    return _plain_dot(recipe, x, w, kd)
+
+
+def _fold_abstract(x, w, kd, *, recipe):
+    out = jax.core.ShapedArray((*x.shape[:-1], w.shape[0]), x.dtype)
+    return with_varying(out, (x, w, kd))
+
+
+def _fold_rule(args, dims, *, recipe):
+    """The vmap of the fold primitive: x's mapped axis joins its tokens."""
+    x, w, kd = args
+    x_dim, w_dim, kd_dim = dims
+    if w_dim is not None:
+        # A weight per example (an ensemble): nothing to fold; batch the
+        # GEMMs per example as JAX does for dot.
+        plain = functools.partial(_plain_dot, recipe)
+        return jax.vmap(plain, in_axes=(x_dim, w_dim, kd_dim))(x, w, kd), 0
+    if kd_dim is not None:
+        kd = jnp.take(kd, 0, axis=kd_dim)  # one dot over the batch: one key
+    if x_dim is None:
+        return folded_dot(recipe, x, w, kd), None
+    # x [size, ..., K] -> [size * ..., K]; _folded_dot folds the next
+    # enclosing vmap the same way, if there is one.
+    x = jnp.moveaxis(x, x_dim, 0)
+    y = folded_dot(recipe, x.reshape(-1, x.shape[-1]), w, kd)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), 0
+
+
+def _fold_jvp(primals, tangents, *, recipe):
+    """Differentiated before a vmap batched it: the plain dot's derivative.
+
+    Through ``jax.linearize``, not ``jax.jvp``: the plain dot's derivative is
+    a VJP, which reverse mode (``grad``, the only mode the recipe supports)
+    reaches by transposing the linearization.
+    """
+    x, w, kd = primals
+    dx, dw = (ad.instantiate_zeros(t) for t in tangents[:2])
+    y, linear = jax.linearize(lambda x, w: _plain_dot(recipe, x, w, kd), x, w)
+    return y, linear(dx, dw)
+
+
+def _fold_impl(x, w, kd, *, recipe):
+    return _plain_dot(recipe, x, w, kd)
+
+
+def _define_fold() -> Primitive | None:
+    try:
+        prim = Primitive("nvfp4_equinox_fold")
+        prim.def_impl(_fold_impl)
+        prim.def_abstract_eval(_fold_abstract)
+        batching.primitive_batchers[prim] = _fold_rule
+        ad.primitive_jvps[prim] = _fold_jvp
+        mlir.register_lowering(prim, mlir.lower_fun(_fold_impl, multiple_results=False))
+        # Lowered unbatched it is the plain dot, whose primitives lower through
+        # custom_partitioning: that needs the devices.
+        sharding.needs_devices_during_lowering(prim)
+    except (AttributeError, TypeError):  # pragma: no cover - other JAX versions
+        return None
+    return prim
+
+
+_fold_p = _define_fold()
