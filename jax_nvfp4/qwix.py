@@ -383,7 +383,9 @@ def set_rngs(
             f"rngs has no {rng_collection!r} stream (and no default stream); "
             f"pass nnx.Rngs({rng_collection}=seed)"
         )
-    for _, module in model.iter_modules():
+    iter_modules = getattr(nnx, "iter_modules", None)  # Flax >= 0.12
+    modules = iter_modules(model) if iter_modules else model.iter_modules()
+    for _, module in modules:
         module.qwix_rngs = nnx.data(rngs)
     return model
 
