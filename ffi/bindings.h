@@ -1,10 +1,12 @@
 // One operand / result / attribute list per FFI target (ffi/targets.inc),
 // shared by the CPU and the CUDA handler of the target. Each function takes
-// the binder to extend: ffi::Ffi::Bind() on the CPU, and
+// the binder to extend: ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() on the CPU
+// (XLA's intra-op threads), and
 // ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>() on CUDA (the
-// stream comes first), e.g.
-//   XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4AmaxCpu, AmaxCpu,
-//                                 AmaxBinding(ffi::Ffi::Bind()));
+// context comes first), e.g.
+//   XLA_FFI_DEFINE_HANDLER_SYMBOL(
+//       JaxNvfp4AmaxCpu, AmaxCpu,
+//       AmaxBinding(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 #ifndef JAX_NVFP4_FFI_BINDINGS_H_
 #define JAX_NVFP4_FFI_BINDINGS_H_
 

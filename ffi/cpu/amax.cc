@@ -1,8 +1,9 @@
 // CPU handler of jax_nvfp4_amax: the plain and the RHT amax of each batch
-// item, the exact reference of the CUDA amax kernels.
-#include <cstddef>
+// item (cpu/quantize_kernels.inc, on XLA's intra-op threads), the values of
+// the CUDA amax kernels.
+#include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <mutex>
 
 #include "bindings.h"
 #include "checks.h"
@@ -14,12 +15,16 @@ namespace jax_nvfp4 {
 namespace cpu {
 namespace {
 
+#define JAX_NVFP4_KERNELS "cpu/quantize_kernels.inc"
+#include "cpu/isa_variants.inc"
+#undef JAX_NVFP4_KERNELS
+
 // out[b] = (max |x[b]|, max |bf16(RHT(x[b]))|) over the finite values (NaN
 // and +-inf ignored; 0 if there is none), with the
 // transform on 16-chunks along k (`cols` false, as quantize_rows transforms)
 // or along m (`cols` true, as quantize_cols).
-ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                   bool cols) {
+ffi::Error AmaxCpu(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                   ffi::Result<ffi::Buffer<ffi::F32>> out, bool cols) {
   const ScopedFlushSubnormals flush_subnormals;
   if (!IsSupportedInputType(x.element_type())) {
     return InvalidArgument("input must be float32, bfloat16 or float16");
@@ -32,20 +37,25 @@ ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
   if (static_cast<int64_t>(out->element_count()) != 2 * d.batch) {
     return InvalidArgument("output must be [batch, 2]");
   }
-  for (int64_t b = 0; b < d.batch; ++b) {
-    const std::vector<float> q = OrientedMatrix(x, b, d, cols, /*rht=*/false);
+  // A maximum of values that are 0 or normal (never a subnormal: FTZ and
+  // DAZ) is the same in any order, so the partial maxima of the chunks
+  // combine to the bits of one sequential pass.
+  float* const result = out->typed_data();
+  std::fill(result, result + 2 * d.batch, 0.0f);
+  std::mutex mu;
+  const int64_t item = d.m * d.k;
+  const int64_t element_bytes = x.element_type() == ffi::DataType::F32 ? 4 : 2;
+  ForTileRows(pool, d, [&](int64_t b, int64_t first, int64_t last) {
+    const MatrixInput in{
+        static_cast<const char*>(x.untyped_data()) + b * item * element_bytes,
+        x.element_type(), d.m, d.k};
     float plain = 0.0f, transformed = 0.0f;
-    for (size_t c = 0; c < q.size(); c += kBlock) {
-      float y[kBlock];
-      RandomHadamard16(&q[c], y);
-      for (int i = 0; i < kBlock; ++i) {
-        plain = MaxAbsFinite(plain, q[c + i]);
-        transformed = MaxAbsFinite(transformed, y[i]);
-      }
-    }
-    out->typed_data()[2 * b] = plain;
-    out->typed_data()[2 * b + 1] = transformed;
-  }
+    JAX_NVFP4_CALL_KERNEL(AmaxTileRows, in, first, last, cols, &plain,
+                          &transformed);
+    std::lock_guard<std::mutex> lock(mu);
+    result[2 * b] = std::max(result[2 * b], plain);
+    result[2 * b + 1] = std::max(result[2 * b + 1], transformed);
+  });
   return ffi::Error::Success();
 }
 
@@ -55,5 +65,6 @@ ffi::Error AmaxCpu(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> out,
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4AmaxCpu, jax_nvfp4::cpu::AmaxCpu,
-                              jax_nvfp4::AmaxBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4AmaxCpu, jax_nvfp4::cpu::AmaxCpu,
+    jax_nvfp4::AmaxBinding(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

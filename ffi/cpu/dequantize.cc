@@ -1,4 +1,5 @@
 // CPU handler of jax_nvfp4_dequantize: e2m1(code) * s_b * amax / 2688.
+#include <algorithm>
 #include <cstdint>
 
 #include "bindings.h"
@@ -12,8 +13,8 @@ namespace cpu {
 namespace {
 
 // out[b, r, l] = e2m1(code) * s_b * amax / 2688, as float32 or bfloat16.
-ffi::Error DequantizeCpu(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
-                         ffi::Buffer<ffi::F32> amax,
+ffi::Error DequantizeCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
+                         ffi::AnyBuffer scales, ffi::Buffer<ffi::F32> amax,
                          ffi::Result<ffi::AnyBuffer> out) {
   const ScopedFlushSubnormals flush_subnormals;
   const auto dims = out->dimensions();
@@ -35,11 +36,19 @@ ffi::Error DequantizeCpu(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
   const uint8_t* scale_bytes =
       static_cast<const uint8_t*>(scales.untyped_data());
   const uint8_t* code_bytes = codes.typed_data();
-  for (int64_t b = 0; b < batch; ++b) {
-    const float a = amax.typed_data()[b / (batch / n_amax)];
-    for (int64_t r = 0; r < rows; ++r) {
+  // Rows in chunks of about 64K elements, on XLA's intra-op threads.
+  const int64_t total_rows = batch * rows;
+  const int64_t chunks =
+      ChunkCount(pool, total_rows,
+                 std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, len)));
+  const int64_t per_chunk = (total_rows + chunks - 1) / chunks;
+  ParallelFor(pool, chunks, [&](int64_t c) {
+    const int64_t last = std::min(total_rows, (c + 1) * per_chunk);
+    for (int64_t row = c * per_chunk; row < last; ++row) {
+      const int64_t b = row / rows;
+      const float a = amax.typed_data()[b / (batch / n_amax)];
       for (int64_t l = 0; l < len; ++l) {
-        const int64_t flat = (b * rows + r) * len + l;
+        const int64_t flat = row * len + l;
         const float multiplier =
             BlockDecodeMultiplier(E4M3Decode(scale_bytes[flat / kBlock]), a);
         const uint32_t code = (code_bytes[flat / 2] >> (4 * (flat & 1))) & 0xF;
@@ -47,7 +56,7 @@ ffi::Error DequantizeCpu(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
         StoreFloat(*out, flat, value);
       }
     }
-  }
+  });
   return ffi::Error::Success();
 }
 
@@ -57,6 +66,6 @@ ffi::Error DequantizeCpu(ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4DequantizeCpu,
-                              jax_nvfp4::cpu::DequantizeCpu,
-                              jax_nvfp4::DequantizeBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4DequantizeCpu, jax_nvfp4::cpu::DequantizeCpu,
+    jax_nvfp4::DequantizeBinding(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

@@ -1,7 +1,8 @@
-// CPU handlers of jax_nvfp4_quantize_rows, _cols and _rows_cols: the exact
-// reference of the NVFP4 quantize (numerics/nvfp4.h).
+// CPU handlers of jax_nvfp4_quantize_rows, _cols and _rows_cols: the bytes of
+// the NVFP4 quantize of numerics/nvfp4.h, computed 16 blocks at a time
+// (cpu/quantize_kernels.inc) on XLA's intra-op threads.
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "bindings.h"
 #include "checks.h"
@@ -14,49 +15,9 @@ namespace jax_nvfp4 {
 namespace cpu {
 namespace {
 
-// Quantizes one [rows, len] matrix along len into codes [rows, len/2] and
-// E4M3 scale bytes [rows, len/16]. Element (r, l) draws its stochastic-
-// rounding bits at flat index index_base + r * index_row_stride + l of the
-// whole quantized tensor.
-void QuantizeMatrix(const float* q, int64_t rows, int64_t len, float amax,
-                    uint32_t key0, uint32_t key1,
-                    const QuantizeOptions& options, uint64_t index_base,
-                    int64_t index_row_stride, uint8_t* codes, uint8_t* scales) {
-  const GlobalScale g = GlobalScaleFromAmax(amax);
-  const int64_t blocks = len / kBlock;
-  const int64_t block_rows = options.block_rows;
-  for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
-    for (int64_t kb = 0; kb < blocks; ++kb) {
-      // Step 3: the block's (tile's) amax, +inf if it holds a NaN or +-inf.
-      float block_amax = 0.0f;
-      for (int64_t r = r0; r < r0 + block_rows; ++r) {
-        for (int i = 0; i < kBlock; ++i) {
-          block_amax = BlockAmaxStep(block_amax, q[r * len + kb * kBlock + i]);
-        }
-      }
-      const BlockScaling s = BlockScaleOf(block_amax, g);  // steps 3a/3b, 4
-      for (int64_t r = r0; r < r0 + block_rows; ++r) {
-        const uint64_t first = index_base + r * index_row_stride + kb * kBlock;
-        uint64_t random_lo = 0, random_hi = 0;
-        if (options.stochastic) {
-          const uint32_t stream = static_cast<uint32_t>(options.stream);
-          RandomBytes16(key0, key1, stream, first / kBlock, &random_lo,
-                        &random_hi);
-        }
-        const uint64_t packed =
-            s.non_finite
-                ? kNonFiniteCodes
-                : EncodeBlock16(&q[r * len + kb * kBlock], s.multiplier,
-                                options.stochastic, random_lo, random_hi);
-        for (int byte = 0; byte < 8; ++byte) {
-          codes[r * (len / 2) + kb * 8 + byte] =
-              static_cast<uint8_t>(packed >> (8 * byte));
-        }
-        scales[r * blocks + kb] = s.scale_byte;
-      }
-    }
-  }
-}
+#define JAX_NVFP4_KERNELS "cpu/quantize_kernels.inc"
+#include "cpu/isa_variants.inc"
+#undef JAX_NVFP4_KERNELS
 
 // values[i] = bfloat16(e2m1(code i) * s_b) for i < n, the amax not applied
 // (exact: 2 + 4 significant bits, 2^-10 .. 2688): what the CUDA fused kernel
@@ -102,44 +63,89 @@ ffi::Error CheckOrigin(const MatrixDims& d, const int32_t* o,
   return ffi::Error::Success();
 }
 
-// Quantizes every batch item of x [batch, m, k] into one output: codes
-// [batch, rows, len/2] and scales [batch, rows, len/16], or, `decoded`
-// options, the bfloat16 values [batch, rows, len] in place of the codes.
-void QuantizeOutput(const ffi::AnyBuffer& x, const MatrixDims& d, bool cols,
-                    const ffi::Buffer<ffi::F32>& amax,
-                    const ffi::Buffer<ffi::U32>& key, const int32_t* origin,
-                    const GlobalPlace& place, const QuantizeOptions& options,
-                    void* codes, uint8_t* scale_data) {
-  const int64_t rows = cols ? d.k : d.m;
-  const int64_t len = cols ? d.m : d.k;
-  const int64_t n_amax = amax.element_count();
+// One output of a quantize call: its options, amax and key operands, and
+// where it goes: codes [batch, rows, len/2] (or, `decoded`, bfloat16 values
+// [batch, rows, len], the codes going to a scratch buffer first) and scales
+// [batch, rows, len/16].
+struct Output {
+  bool cols;
+  const QuantizeOptions* options;
+  const ffi::Buffer<ffi::F32>* amax;
+  void* values;
+  uint8_t* scales;
+  std::unique_ptr<uint8_t[]> scratch_codes;  // the codes of a decoded output
+
+  uint8_t* codes() {
+    return options->decoded ? scratch_codes.get()
+                            : static_cast<uint8_t*>(values);
+  }
+};
+
+// The kernels' view of output `out` for batch item b.
+QuantizeTarget TargetOf(Output& out, const MatrixDims& d,
+                        const ffi::Buffer<ffi::U32>& key, const int32_t* origin,
+                        const GlobalPlace& place, int64_t b) {
+  const int64_t rows = out.cols ? d.k : d.m;
+  const int64_t len = out.cols ? d.m : d.k;
+  const int64_t n_amax = out.amax->element_count();
   const int64_t n_key = key.element_count() / 2;
-  std::vector<uint8_t> item_codes(options.decoded ? rows * (len / 2) : 0);
-  for (int64_t b = 0; b < d.batch; ++b) {
-    const std::vector<float> q = OrientedMatrix(x, b, d, cols, options.rht);
-    const int64_t a = b / (d.batch / n_amax);
-    const int64_t kk = b / (d.batch / n_key);
-    uint8_t* const item_scales = scale_data + b * rows * (len / 16);
-    uint8_t* const code_data =
-        options.decoded ? item_codes.data()
-                        : static_cast<uint8_t*>(codes) + b * rows * (len / 2);
-    QuantizeMatrix(q.data(), rows, len, amax.typed_data()[a],
-                   key.typed_data()[2 * kk], key.typed_data()[2 * kk + 1],
-                   options, GlobalRandomIndex(origin, place, cols, b, 0, 0),
-                   cols ? place.global_m : place.global_k, code_data,
-                   item_scales);
-    if (options.decoded) {
-      DecodeBf16(code_data, item_scales, rows * len,
-                 static_cast<uint16_t*>(codes) + b * rows * len);
+  const int64_t a = b / (d.batch / n_amax);
+  const int64_t kk = b / (d.batch / n_key);
+  QuantizeTarget t;
+  t.options = *out.options;
+  t.scale = GlobalScaleFromAmax(out.amax->typed_data()[a]);
+  t.key0 = key.typed_data()[2 * kk];
+  t.key1 = key.typed_data()[2 * kk + 1];
+  t.index_base = GlobalRandomIndex(origin, place, out.cols, b, 0, 0);
+  t.index_row_stride = out.cols ? place.global_m : place.global_k;
+  t.codes = out.codes() + b * rows * (len / 2);
+  t.scales = out.scales + b * rows * (len / kBlock);
+  return t;
+}
+
+// Quantizes every batch item of x [batch, m, k] into the outputs (null: not
+// asked), in one pass over x's 16 x 16 tiles.
+void QuantizeOutputs(ffi::ThreadPool& pool, const ffi::AnyBuffer& x,
+                     const MatrixDims& d, const ffi::Buffer<ffi::U32>& key,
+                     const int32_t* origin, const GlobalPlace& place,
+                     Output* rows, Output* cols) {
+  for (Output* out : {rows, cols}) {
+    if (out != nullptr && out->options->decoded) {
+      out->scratch_codes.reset(new uint8_t[d.batch * d.m * d.k / 2]);
     }
+  }
+  const int64_t item = d.m * d.k;
+  const int64_t element_bytes = x.element_type() == ffi::DataType::F32 ? 4 : 2;
+  ForTileRows(pool, d, [&](int64_t b, int64_t first, int64_t last) {
+    const MatrixInput in{
+        static_cast<const char*>(x.untyped_data()) + b * item * element_bytes,
+        x.element_type(), d.m, d.k};
+    QuantizeTarget row_target, col_target;
+    if (rows != nullptr) row_target = TargetOf(*rows, d, key, origin, place, b);
+    if (cols != nullptr) col_target = TargetOf(*cols, d, key, origin, place, b);
+    JAX_NVFP4_CALL_KERNEL(QuantizeTileRows, in, first, last,
+                          rows != nullptr ? &row_target : nullptr,
+                          cols != nullptr ? &col_target : nullptr);
+  });
+  for (Output* out : {rows, cols}) {
+    if (out == nullptr || !out->options->decoded) continue;
+    const int64_t n = d.batch * d.m * d.k;
+    const int64_t chunk = 1 << 16;  // a multiple of 16 elements
+    ParallelFor(pool, (n + chunk - 1) / chunk, [&](int64_t c) {
+      const int64_t first = c * chunk;
+      DecodeBf16(out->codes() + first / 2, out->scales + first / kBlock,
+                 std::min(chunk, n - first),
+                 static_cast<uint16_t*>(out->values) + first);
+    });
   }
 }
 
 // quantize_rows (kCols = false): along k; quantize_cols (true): x[b]
 // transposed, along m.
 template <bool kCols>
-ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
-                       ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::S32> origin,
+ffi::Error QuantizeCpu(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                       ffi::Buffer<ffi::F32> amax, ffi::Buffer<ffi::U32> key,
+                       ffi::Buffer<ffi::S32> origin,
                        ffi::Result<ffi::Buffer<ffi::U8>> codes,
                        ffi::Result<ffi::AnyBuffer> scales,
                        QuantizeOptions options, GlobalPlace place) {
@@ -160,22 +166,25 @@ ffi::Error QuantizeCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
   if (auto e = CheckOrigin(d, origin.typed_data(), place); e.failure()) {
     return e;
   }
-  QuantizeOutput(x, d, kCols, amax, key, origin.typed_data(), place, options,
-                 codes->typed_data(),
-                 static_cast<uint8_t*>(scales->untyped_data()));
+  Output out{kCols,
+             &options,
+             &amax,
+             codes->typed_data(),
+             static_cast<uint8_t*>(scales->untyped_data()),
+             nullptr};
+  QuantizeOutputs(pool, x, d, key, origin.typed_data(), place,
+                  kCols ? nullptr : &out, kCols ? &out : nullptr);
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizeRowsColsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
-                               ffi::Buffer<ffi::F32> col_amax,
-                               ffi::Buffer<ffi::U32> key,
-                               ffi::Buffer<ffi::S32> origin,
-                               ffi::Result<ffi::AnyBuffer> row_codes,
-                               ffi::Result<ffi::AnyBuffer> row_scales,
-                               ffi::Result<ffi::AnyBuffer> col_codes,
-                               ffi::Result<ffi::AnyBuffer> col_scales,
-                               QuantizeOptions rows, QuantizeOptions cols,
-                               GlobalPlace place) {
+ffi::Error QuantizeRowsColsCpu(
+    ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
+    ffi::Buffer<ffi::F32> col_amax, ffi::Buffer<ffi::U32> key,
+    ffi::Buffer<ffi::S32> origin, ffi::Result<ffi::AnyBuffer> row_codes,
+    ffi::Result<ffi::AnyBuffer> row_scales,
+    ffi::Result<ffi::AnyBuffer> col_codes,
+    ffi::Result<ffi::AnyBuffer> col_scales, QuantizeOptions rows,
+    QuantizeOptions cols, GlobalPlace place) {
   const ScopedFlushSubnormals flush_subnormals;
   MatrixDims d;
   for (const bool side_cols : {false, true}) {
@@ -193,12 +202,20 @@ ffi::Error QuantizeRowsColsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
                  CheckOrigin(d, origin.typed_data(), place)}) {
     if (e.failure()) return e;
   }
-  QuantizeOutput(x, d, /*cols=*/false, row_amax, key, origin.typed_data(),
-                 place, rows, row_codes->untyped_data(),
-                 static_cast<uint8_t*>(row_scales->untyped_data()));
-  QuantizeOutput(x, d, /*cols=*/true, col_amax, key, origin.typed_data(), place,
-                 cols, col_codes->untyped_data(),
-                 static_cast<uint8_t*>(col_scales->untyped_data()));
+  Output row_out{false,
+                 &rows,
+                 &row_amax,
+                 row_codes->untyped_data(),
+                 static_cast<uint8_t*>(row_scales->untyped_data()),
+                 nullptr};
+  Output col_out{true,
+                 &cols,
+                 &col_amax,
+                 col_codes->untyped_data(),
+                 static_cast<uint8_t*>(col_scales->untyped_data()),
+                 nullptr};
+  QuantizeOutputs(pool, x, d, key, origin.typed_data(), place, &row_out,
+                  &col_out);
   return ffi::Error::Success();
 }
 
@@ -208,16 +225,17 @@ ffi::Error QuantizeRowsColsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> row_amax,
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsCpu,
-                              jax_nvfp4::cpu::QuantizeCpu</*kCols=*/false>,
-                              jax_nvfp4::QuantizeBinding(ffi::Ffi::Bind(),
-                                                         "rows"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeColsCpu,
-                              jax_nvfp4::cpu::QuantizeCpu</*kCols=*/true>,
-                              jax_nvfp4::QuantizeBinding(ffi::Ffi::Bind(),
-                                                         "cols"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4QuantizeRowsCpu, jax_nvfp4::cpu::QuantizeCpu</*kCols=*/false>,
+    jax_nvfp4::QuantizeBinding(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(),
+                               "rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxNvfp4QuantizeRowsColsCpu, jax_nvfp4::cpu::QuantizeRowsColsCpu,
-    jax_nvfp4::QuantizeRowsColsBinding(ffi::Ffi::Bind()));
+    JaxNvfp4QuantizeColsCpu, jax_nvfp4::cpu::QuantizeCpu</*kCols=*/true>,
+    jax_nvfp4::QuantizeBinding(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>(),
+                               "cols"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4QuantizeRowsColsCpu,
+                              jax_nvfp4::cpu::QuantizeRowsColsCpu,
+                              jax_nvfp4::QuantizeRowsColsBinding(
+                                  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
