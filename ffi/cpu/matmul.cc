@@ -1,7 +1,8 @@
-// CPU handler of jax_nvfp4_matmul: the exact reference of the block-scaled
-// FP4 GEMM.
+// CPU handler of jax_nvfp4_matmul: the block-scaled FP4 GEMM, every output
+// summed over k in order (cpu/gemm_kernels.inc), on XLA's intra-op threads.
+#include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "bindings.h"
 #include "checks.h"
@@ -13,14 +14,22 @@ namespace jax_nvfp4 {
 namespace cpu {
 namespace {
 
+#define JAX_NVFP4_KERNELS "cpu/gemm_kernels.inc"
+#include "cpu/isa_variants.inc"
+#undef JAX_NVFP4_KERNELS
+
 // out[b, m, n] = alpha * sum_k e2m1(a[b, m, k]) s_a * e2m1(b[b', n, k]) s_b,
 // alpha = (amax_a / 2688) * (amax_b / 2688). Every product is exact in
-// float32 (2 + 4 significant bits per factor); the sum runs over k = 0, 1,
-// ..., K - 1 in float32. b has batch 1 (shared) or the batch of a; each
-// amax has one value per batch item of its operand, or one in all.
-ffi::Error MatmulCpu(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
-                     ffi::Buffer<ffi::F32> a_amax, ffi::Buffer<ffi::U8> b_codes,
-                     ffi::AnyBuffer b_scales, ffi::Buffer<ffi::F32> b_amax,
+// float32 (2 + 4 significant bits per factor); each output adds its products
+// over k = 0, 1, ..., K - 1 in order in one float32 accumulator (from +0),
+// then multiplies by alpha and rounds once to the output type: the same bits
+// for any split over threads and any kernel variant. b has batch 1 (shared)
+// or the batch of a; each amax has one value per batch item of its operand,
+// or one in all.
+ffi::Error MatmulCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> a_codes,
+                     ffi::AnyBuffer a_scales, ffi::Buffer<ffi::F32> a_amax,
+                     ffi::Buffer<ffi::U8> b_codes, ffi::AnyBuffer b_scales,
+                     ffi::Buffer<ffi::F32> b_amax,
                      ffi::Result<ffi::AnyBuffer> out) {
   const ScopedFlushSubnormals flush_subnormals;
   const auto ad = a_codes.dimensions();
@@ -51,62 +60,68 @@ ffi::Error MatmulCpu(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
   }
   const uint8_t* as = static_cast<const uint8_t*>(a_scales.untyped_data());
   const uint8_t* bs = static_cast<const uint8_t*>(b_scales.untyped_data());
-  // Decoded (unscaled-by-amax) values e2m1 * s_b of one row.
-  auto decode_row = [](const uint8_t* codes, const uint8_t* scales, int64_t len,
-                       float* row) {
-    for (int64_t l = 0; l < len; ++l) {
-      const uint32_t code = (codes[l / 2] >> (4 * (l & 1))) & 0xF;
-      row[l] = E2M1Decode(code) * E4M3Decode(scales[l / kBlock]);
+  const bool bf16 = out->element_type() == ffi::DataType::BF16;
+  if (batch == 0 || m == 0 || n == 0) return ffi::Error::Success();
+  // Decode both operands into panels (cpu/gemm_kernels.inc).
+  const int64_t rows = JAX_NVFP4_CALL_KERNEL(PanelRows);
+  const int64_t cols = JAX_NVFP4_CALL_KERNEL(PanelCols);
+  const int64_t a_panels = (m + rows - 1) / rows;  // per batch item
+  const int64_t b_panels = (n + cols - 1) / cols;
+  std::unique_ptr<float[]> a_packed(new float[batch * a_panels * rows * k]);
+  std::unique_ptr<float[]> b_packed(new float[b_batch * b_panels * cols * k]);
+  const int64_t panels = batch * a_panels + b_batch * b_panels;
+  const int64_t pack_chunks = ChunkCount(
+      pool, panels,
+      std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, rows * k)));
+  const int64_t per_chunk = (panels + pack_chunks - 1) / pack_chunks;
+  ParallelFor(pool, pack_chunks, [&](int64_t c) {
+    for (int64_t p = c * per_chunk; p < std::min(panels, (c + 1) * per_chunk);
+         ++p) {
+      if (p < batch * a_panels) {
+        const int64_t item = p / a_panels, row0 = (p % a_panels) * rows;
+        JAX_NVFP4_CALL_KERNEL(
+            PackPanel, a_codes.typed_data() + item * m * (k / 2),
+            as + item * m * (k / kBlock), k, row0, std::min(rows, m - row0),
+            rows, a_packed.get() + p * rows * k);
+      } else {
+        const int64_t q = p - batch * a_panels;
+        const int64_t item = q / b_panels, row0 = (q % b_panels) * cols;
+        JAX_NVFP4_CALL_KERNEL(
+            PackPanel, b_codes.typed_data() + item * n * (k / 2),
+            bs + item * n * (k / kBlock), k, row0, std::min(cols, n - row0),
+            cols, b_packed.get() + q * cols * k);
+      }
     }
-  };
-  // b transposed, k-major: the kLanes sums of one row of a run side by side
-  // (vectorizable), each still adding its products in the order k = 0, 1, ...
-  constexpr int64_t kLanes = 8;
-  std::vector<float> b_rows(static_cast<size_t>(n * k));
-  std::vector<float> b_cols(static_cast<size_t>(k * n));
-  std::vector<float> a_row(static_cast<size_t>(k));
-  std::vector<float> sums(static_cast<size_t>(n));
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t bb = b_batch == 1 ? 0 : b;
+  });
+  // Tiles in blocks of a panels (about 256 KiB of a, reused from the cache
+  // against each b panel) times blocks of b panels (enough blocks to keep
+  // every thread busy).
+  const int64_t a_block =
+      std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, rows * k));
+  const int64_t a_blocks = (a_panels + a_block - 1) / a_block;
+  const int64_t wanted = ChunkCount(pool, batch * a_blocks * b_panels, 1);
+  const int64_t b_blocks = std::clamp<int64_t>(
+      (wanted + batch * a_blocks - 1) / (batch * a_blocks), 1, b_panels);
+  const int64_t b_block = (b_panels + b_blocks - 1) / b_blocks;
+  const int64_t b_block_count = (b_panels + b_block - 1) / b_block;
+  ParallelFor(pool, batch * a_blocks * b_block_count, [&](int64_t c) {
+    const int64_t item = c / (a_blocks * b_block_count);
+    const int64_t ab = (c / b_block_count) % a_blocks;
+    const int64_t bb = c % b_block_count;
+    const int64_t b_item = b_batch == 1 ? 0 : item;
     const float a_max =
-        a_amax.typed_data()[a_amax.element_count() == 1 ? 0 : b];
+        a_amax.typed_data()[a_amax.element_count() == 1 ? 0 : item];
     const float b_max =
-        b_amax.typed_data()[b_amax.element_count() == 1 ? 0 : bb];
+        b_amax.typed_data()[b_amax.element_count() == 1 ? 0 : b_item];
     const float alpha = (a_max / kScaleRange) * (b_max / kScaleRange);
-    if (b == 0 || b_batch != 1) {
-      for (int64_t j = 0; j < n; ++j) {
-        decode_row(b_codes.typed_data() + (bb * n + j) * (k / 2),
-                   bs + (bb * n + j) * (k / kBlock), k, &b_rows[j * k]);
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        for (int64_t l = 0; l < k; ++l) b_cols[l * n + j] = b_rows[j * k + l];
-      }
-    }
-    for (int64_t i = 0; i < m; ++i) {
-      decode_row(a_codes.typed_data() + (b * m + i) * (k / 2),
-                 as + (b * m + i) * (k / kBlock), k, a_row.data());
-      int64_t j0 = 0;
-      for (; j0 + kLanes <= n; j0 += kLanes) {
-        float acc[kLanes] = {};
-        for (int64_t l = 0; l < k; ++l) {
-          const float x = a_row[l];
-          const float* col = &b_cols[l * n + j0];
-          for (int64_t t = 0; t < kLanes; ++t) acc[t] += x * col[t];
-        }
-        for (int64_t t = 0; t < kLanes; ++t) sums[j0 + t] = acc[t];
-      }
-      for (int64_t j = j0; j < n; ++j) {
-        float acc = 0.0f;
-        for (int64_t l = 0; l < k; ++l) acc += a_row[l] * b_rows[j * k + l];
-        sums[j] = acc;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const float value = sums[j] * alpha;
-        const int64_t flat = (b * m + i) * n + j;
-        StoreFloat(*out, flat, value);
-      }
-    }
-  }
+    void* item_out =
+        static_cast<char*>(out->untyped_data()) + item * m * n * (bf16 ? 2 : 4);
+    JAX_NVFP4_CALL_KERNEL(
+        MultiplyPanels, a_packed.get() + item * a_panels * rows * k,
+        b_packed.get() + b_item * b_panels * cols * k, m, n, k, ab * a_block,
+        std::min(a_panels, (ab + 1) * a_block), bb * b_block,
+        std::min(b_panels, (bb + 1) * b_block), alpha, bf16, item_out);
+  });
   return ffi::Error::Success();
 }
 
@@ -116,5 +131,6 @@ ffi::Error MatmulCpu(ffi::Buffer<ffi::U8> a_codes, ffi::AnyBuffer a_scales,
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxNvfp4MatmulCpu, jax_nvfp4::cpu::MatmulCpu,
-                              jax_nvfp4::MatmulBinding(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4MatmulCpu, jax_nvfp4::cpu::MatmulCpu,
+    jax_nvfp4::MatmulBinding(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
