@@ -1,0 +1,256 @@
+"""The CPU handlers' fast paths: work split over XLA's intra-op threads and
+vector kernels compiled for several instruction sets (ffi/cpu/).
+
+- The CPU GEMM's summation order (docs/DESIGN.md section 5): every output
+  adds its K exact products in order k = 0, 1, ..., K - 1 in one float32
+  accumulator from +0, then multiplies by alpha and rounds once. The handler
+  equals that sequential sum (numpy, float32) bit for bit, for tile edges,
+  long sums, batches and both output types.
+- Quantize and amax: the bytes of the reference on shapes that split into
+  several chunks (threads) and partial tiles.
+- Every kernel variant (JAX_NVFP4_CPU_KERNELS=base / avx2; the default is the
+  best the CPU has) gives the same bytes and sums, checked in subprocesses
+  (the variant is chosen once per process).
+
+Everything runs on the CPU device, also on a machine with a GPU.
+"""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_same_bytes, outlier_data, tensor_bytes
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import ops
+from jax_nvfp4 import reference as ref
+
+CPU = jax.devices("cpu")[0]
+pytestmark = pytest.mark.skipif(
+    "cpu" not in nv.available_platforms(), reason="no CPU handlers built"
+)
+
+# (M, K, N): single elements, edges of every kernel's tile (4, 6 rows; 16,
+# 64 columns), sums of 2048 products.
+GEMM_SHAPES = [(1, 16, 1), (7, 48, 130), (67, 96, 70), (130, 2048, 65)]
+
+
+def _on_cpu(fn, *args):
+    with jax.default_device(CPU):
+        return fn(*jax.device_put(args, CPU))
+
+
+def _operands(m, k, n, seed=0):
+    """a [M, K] quantized along K, b from w [K, N] along K (16x16 tiles where
+    N allows); outlier data, so the sums round at many places."""
+    x = outlier_data(seed, (m, k), jnp.bfloat16)
+    w = outlier_data(seed + 1, (k, n), jnp.bfloat16)
+    block = "16x16" if n % 16 == 0 else "1x16"
+    return _on_cpu(lambda x, w: (nv.quantize(x), nv.quantize(w, 0, block=block)), x, w)
+
+
+def _values(codes, scales):
+    """e2m1 * s_b as float32 numpy [..., rows, K] (exact)."""
+    return np.asarray(ref.decode_bf16(codes, scales), np.float32)
+
+
+def sequential_matmul(a_vals, b_vals, alpha, dtype):
+    """out[m, n] = alpha * (((0 + p_0) + p_1) + ... + p_{K-1}) in float32,
+    p_k = a[m, k] * b[n, k] (exact), rounded once to dtype."""
+    acc = np.zeros((a_vals.shape[0], b_vals.shape[0]), np.float32)
+    for k in range(a_vals.shape[1]):
+        acc = acc + np.outer(a_vals[:, k], b_vals[:, k]).astype(np.float32)
+    return (acc * np.float32(alpha)).astype(dtype)
+
+
+def _alpha(a_amax, b_amax):
+    r = np.float32(nv.SCALE_RANGE)
+    return (np.float32(a_amax) / r) * (np.float32(b_amax) / r)
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_matmul_is_the_sequential_float32_sum(shape, dtype):
+    m, k, n = shape
+    a, b = _operands(m, k, n)
+    got = _on_cpu(functools.partial(nv.matmul, out_dtype=dtype), a, b)
+    want = sequential_matmul(
+        _values(a.codes[None], a.scales[None])[0],
+        _values(b.codes[None], b.scales[None])[0],
+        _alpha(a.amax, b.amax),
+        dtype,
+    )
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+
+
+def test_batched_matmul_sums_each_item_in_order():
+    """A per-item b (one GEMM per batch item) and a shared b (the batch folded
+    into M): each output is its item's sequential sum."""
+    x = outlier_data(4, (3, 20, 64), jnp.bfloat16)
+    w = outlier_data(5, (3, 64, 40), jnp.bfloat16)
+
+    def per_item(x, w):
+        a = jax.vmap(nv.quantize)(x)
+        b = jax.vmap(functools.partial(nv.quantize, axis=0))(w)
+        return a, b, nv.matmul(a, b, out_dtype=jnp.float32)
+
+    a, b, got = _on_cpu(per_item, x, w)
+    for i in range(3):
+        want = sequential_matmul(
+            _values(a.codes[i : i + 1], a.scales[i : i + 1])[0],
+            _values(b.codes[i : i + 1], b.scales[i : i + 1])[0],
+            _alpha(a.amax[i], b.amax[i]),
+            np.float32,
+        )
+        np.testing.assert_array_equal(np.asarray(got[i]), want)
+
+    shared = _on_cpu(
+        lambda x, w: nv.matmul(
+            nv.quantize(x), nv.quantize(w[0], 0), out_dtype=jnp.float32
+        ),
+        x,
+        w,
+    )
+    a, b = _on_cpu(lambda x, w: (nv.quantize(x), nv.quantize(w[0], 0)), x, w)
+    want = sequential_matmul(
+        _values(a.codes.reshape(1, 60, 32), a.scales.reshape(1, 60, 4))[0],
+        _values(b.codes[None], b.scales[None])[0],
+        _alpha(a.amax, b.amax),
+        np.float32,
+    )
+    np.testing.assert_array_equal(np.asarray(shared).reshape(60, 40), want)
+
+
+# --- quantize and amax: the reference's bytes on multi-chunk shapes ------------
+
+KEY = jax.random.key(11)
+# name: (shape, dtype, quantize's keyword arguments, or with "fused" those of
+# quantize_rowwise_and_columnwise). Shapes of several chunks and partial
+# tiles.
+QUANTIZE_CASES = {
+    "rows_partial_tiles": ((1037, 96), jnp.bfloat16, dict(axis=-1)),
+    "cols_partial_tiles": ((96, 1000), jnp.float32, dict(axis=0, rht=True)),
+    "f16_rows_rht_sr": (
+        (128, 256),
+        jnp.float16,
+        dict(rht=True, rounding="stochastic", key=KEY),
+    ),
+    "x_fused": ((1024, 512), jnp.bfloat16, dict(fused=True, col_rht=True)),
+    "dy_fused": (
+        (512, 256),
+        jnp.bfloat16,
+        dict(
+            fused=True,
+            row_rounding="stochastic",
+            col_rounding="stochastic",
+            col_rht=True,
+            key=KEY,
+        ),
+    ),
+    "w_tiles": (
+        (256, 512),
+        jnp.bfloat16,
+        dict(fused=True, row_block="16x16", col_block="16x16"),
+    ),
+}
+
+
+def _quantize_case(name, implementation):
+    shape, dtype, kwargs = QUANTIZE_CASES[name]
+    x = outlier_data(sorted(QUANTIZE_CASES).index(name), shape, dtype)
+    kwargs = dict(kwargs, implementation=implementation)
+    if kwargs.pop("fused", False):
+        fn = functools.partial(nv.quantize_rowwise_and_columnwise, **kwargs)
+        return _on_cpu(jax.jit(fn), x)
+    return (_on_cpu(jax.jit(functools.partial(nv.quantize, **kwargs)), x),)
+
+
+def _amax_case(cols):
+    x = outlier_data(9, (2, 272, 208), jnp.bfloat16)
+    return (
+        _on_cpu(jax.jit(functools.partial(ops.amax, cols=cols)), x),
+        _on_cpu(jax.jit(functools.partial(ref.amax, cols=cols)), x),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZE_CASES))
+def test_quantize_bytes_on_multi_chunk_shapes(name):
+    for got, want in zip(
+        _quantize_case(name, "ffi"), _quantize_case(name, "reference"), strict=True
+    ):
+        assert_same_bytes(got, want)
+
+
+@pytest.mark.parametrize("cols", [False, True])
+def test_amax_bits(cols):
+    got, want = _amax_case(cols)
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)
+    )
+
+
+# --- kernel variants ------------------------------------------------------------
+
+
+def cpu_outputs() -> dict:
+    """Everything the variant check compares, as numpy arrays."""
+    out = {}
+    for name in sorted(QUANTIZE_CASES):
+        for i, t in enumerate(_quantize_case(name, "ffi")):
+            parts = zip(("codes", "scales", "amax"), tensor_bytes(t), strict=True)
+            for part, array in parts:
+                out[f"{name}/{i}/{part}"] = array
+    for cols in (False, True):
+        out[f"amax/{cols}"] = np.asarray(_amax_case(cols)[0])
+    for m, k, n in GEMM_SHAPES:
+        a, b = _operands(m, k, n)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            got = _on_cpu(functools.partial(nv.matmul, out_dtype=dtype), a, b)
+            out[f"matmul/{m}x{k}x{n}/{np.dtype(dtype).name}"] = np.asarray(got).view(
+                np.uint8
+            )
+    return out
+
+
+@pytest.mark.parametrize("variant", ["base", "avx2"])
+def test_kernel_variants_agree(variant):
+    """The variant in a subprocess (JAX_NVFP4_CPU_KERNELS is read once per
+    process) against this process's (the best the CPU has)."""
+    package_root = pathlib.Path(nv.__file__).resolve().parent.parent
+    env = dict(
+        os.environ,
+        JAX_NVFP4_CPU_KERNELS=variant,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(
+            [str(package_root), str(pathlib.Path(__file__).parent)]
+            + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        ),
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "outputs.npz")
+        code = (
+            "import sys, numpy as np, test_cpu_speed_paths as t; "
+            "np.savez(sys.argv[1], **t.cpu_outputs())"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code, path],
+            cwd=directory,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        theirs = dict(np.load(path))
+    ours = cpu_outputs()
+    assert sorted(theirs) == sorted(ours)
+    for name, array in ours.items():
+        np.testing.assert_array_equal(theirs[name], array, err_msg=name)
