@@ -144,7 +144,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t chunks, const Body& body) {
 // chunks for each thread that may run them (load balance), none smaller than
 // `min_items` units (scheduling costs a few microseconds).
 inline int64_t ChunkCount(ffi::ThreadPool& pool, int64_t items,
-                          int64_t min_items, int64_t per_thread = 4) {
+                          int64_t min_items, int64_t per_thread = 16) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t by_size =
       std::max<int64_t>(1, items / std::max<int64_t>(1, min_items));
@@ -160,9 +160,9 @@ void ForTileRows(ffi::ThreadPool& pool, const MatrixDims& d, const Body& body) {
   const int64_t tile_rows = (d.m + 15) / 16;
   const int64_t total = d.batch * tile_rows;
   if (total == 0 || d.k == 0) return;
-  // About 64K elements a chunk at least.
+  // About 16K elements a chunk at least.
   const int64_t chunks =
-      ChunkCount(pool, total, std::max<int64_t>(1, 4096 / d.k));
+      ChunkCount(pool, total, std::max<int64_t>(1, 1024 / d.k));
   const int64_t size = (total + chunks - 1) / chunks;
   const int64_t per_item = (tile_rows + size - 1) / size;
   ParallelFor(pool, d.batch * per_item, [&](int64_t c) {
