@@ -143,6 +143,14 @@ QUANTIZE_CASES = {
         jnp.float16,
         dict(rht=True, rounding="stochastic", key=KEY),
     ),
+    "ladder_rows": (None, jnp.float32, dict(axis=-1)),
+    "ladder_cols": (None, jnp.float32, dict(axis=0)),
+    "ladder_rows_sr": (None, jnp.float32, dict(rounding="stochastic", key=KEY)),
+    "ladder_cols_sr": (
+        None,
+        jnp.float32,
+        dict(axis=0, rounding="stochastic", key=KEY),
+    ),
     "x_fused": ((1024, 512), jnp.bfloat16, dict(fused=True, col_rht=True)),
     "dy_fused": (
         (512, 256),
@@ -163,9 +171,36 @@ QUANTIZE_CASES = {
 }
 
 
+def ladder_data(transposed: bool) -> np.ndarray:
+    """float32 blocks of 16 whose elements reach the E2M1 rounding exactly:
+    the tensor's amax is 2688 (so S_enc = 1) and each block holds a 6 (so
+    s_b = 1 and enc_b = 1): the other 15 values are the scaled values
+    themselves. They are every boundary of the ladder (docs/DESIGN.md 2.2),
+    the floats next to them, the grid points and zeros, with both signs.
+    Blocks run along the last axis, or along the first one (``transposed``),
+    in whole 16 x 16 tiles."""
+    points = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    values = [0.0, 1e-30]
+    for p in np.float32(points):
+        values += [p, np.nextafter(p, np.float32(0)), np.nextafter(p, np.inf)]
+    values = np.array(values + [-v for v in values], np.float32)
+    values = np.concatenate([values, np.zeros(-len(values) % 15, np.float32)])
+    blocks = values.reshape(-1, 15)
+    blocks = np.concatenate([np.full((len(blocks), 1), 6, np.float32), blocks], 1)
+    amax_block = np.zeros((1, 16), np.float32)
+    amax_block[0, 3] = 2688
+    blocks = np.concatenate([blocks, amax_block])
+    blocks = np.concatenate([blocks, np.zeros((-len(blocks) % 8, 16), np.float32)])
+    x = np.tile(blocks.reshape(-1, 64), (16, 1))  # 4 blocks a row
+    return x.T.copy() if transposed else x
+
+
 def _quantize_case(name, implementation):
     shape, dtype, kwargs = QUANTIZE_CASES[name]
-    x = outlier_data(sorted(QUANTIZE_CASES).index(name), shape, dtype)
+    if name.startswith("ladder"):
+        x = jnp.asarray(ladder_data(kwargs.get("axis", -1) == 0))
+    else:
+        x = outlier_data(sorted(QUANTIZE_CASES).index(name), shape, dtype)
     kwargs = dict(kwargs, implementation=implementation)
     if kwargs.pop("fused", False):
         fn = functools.partial(nv.quantize_rowwise_and_columnwise, **kwargs)
