@@ -4,9 +4,11 @@
     python benchmarks/cpu_bench.py --shape 4096x2048x2048 --calls 5
     python benchmarks/cpu_bench.py --parts              # add where the time goes
 
-Rows, each a jitted call, timed as the median wall time of --calls calls after
-one warm-up; the ratio column is the row's time over its yardstick's, both
-measured in this run:
+Rows, each a jitted call, timed as the median wall time of --calls calls; the
+rows take turns, --rounds times (a drift of the machine, such as another
+process, then hits them alike), and the table shows the median over rounds
+and the ratio to the row's yardstick taken within each round (median, and
+min..max over rounds):
   dot fwd+bwd        jax.value_and_grad of sum(dot(x, w) * dy) over x and w,
                      jax_nvfp4.dot with the NVFP4 recipe (RHT, stochastic
                      rounding of dY, 16x16 weight tiles) and a key;
@@ -36,7 +38,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from common import argument_parser, header, parse_shape
 
 import jax_nvfp4 as nv
@@ -138,33 +139,55 @@ def parts(t: int, k: int, n: int):
     )
 
 
+def timed_rounds(entries, calls: int, rounds: int) -> dict[str, list[float]]:
+    """{name: [seconds per round]} for (name, fn, args, ...) entries."""
+    for _, fn, fn_args, *_ in entries:
+        jax.block_until_ready(fn(*fn_args))  # compile
+    samples: dict[str, list[float]] = {e[0]: [] for e in entries}
+    for _ in range(rounds):
+        for name, fn, fn_args, *_ in entries:
+            samples[name].append(median_seconds(fn, fn_args, calls))
+    return samples
+
+
 def main():
     parser = argument_parser(__doc__)
     parser.add_argument("--shape", default="2048x1024x1024", help="TxKxN")
-    parser.add_argument("--calls", type=int, default=7, help="timed calls per row")
+    parser.add_argument("--calls", type=int, default=5, help="timed calls a round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every row")
     parser.add_argument("--parts", action="store_true", help="time each primitive")
     parser.add_argument("--out", help="also write the timings as JSON here")
     args = parser.parse_args()
     t, k, n = parse_shape(args.shape)
     print(header())
     print(f"cores: {os.cpu_count()} | load average: {os.getloadavg()[0]:.2f}")
-    print(f"x [{t}, {k}] bf16, w [{k}, {n}] bf16, median of {args.calls} calls")
-    times: dict[str, float] = {}
-    print(f"{'op':<48} {'ms':>10} {'ratio':>8}")
-    for name, fn, fn_args, base in rows(t, k, n):
-        times[name] = median_seconds(fn, fn_args, args.calls)
-        ratio = f"{times[name] / times[base]:.2f}x" if base else "-"
-        print(f"{name:<48} {times[name] * 1e3:>10.2f} {ratio:>8}", flush=True)
+    print(
+        f"x [{t}, {k}] bf16, w [{k}, {n}] bf16; median of {args.calls} calls, "
+        f"{args.rounds} rounds"
+    )
+    entries = list(rows(t, k, n))
+    samples = timed_rounds(entries, args.calls, args.rounds)
+    print(f"{'op':<48} {'ms':>9} {'ratio':>7} {'min..max':>12}")
+    for name, _, _, base in entries:
+        ms = statistics.median(samples[name]) * 1e3
+        if base is None:
+            print(f"{name:<48} {ms:>9.2f} {'-':>7}")
+            continue
+        ratios = [a / b for a, b in zip(samples[name], samples[base], strict=True)]
+        spread = f"{min(ratios):.2f}..{max(ratios):.2f}"
+        print(f"{name:<48} {ms:>9.2f} {statistics.median(ratios):>6.2f}x {spread:>12}")
     if args.parts:
-        print(f"\n{'primitive (alone)':<48} {'ms':>10}")
-        for name, fn, fn_args in parts(t, k, n):
-            times[name] = median_seconds(fn, fn_args, args.calls)
-            print(f"{name:<48} {times[name] * 1e3:>10.2f}", flush=True)
+        part_entries = list(parts(t, k, n))
+        part_samples = timed_rounds(part_entries, args.calls, args.rounds)
+        samples.update(part_samples)
+        print(f"\n{'primitive (alone)':<48} {'ms':>9}")
+        for name, *_ in part_entries:
+            print(f"{name:<48} {statistics.median(part_samples[name]) * 1e3:>9.2f}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"shape": [t, k, n], "seconds": times}, f, indent=1)
+            json.dump({"shape": [t, k, n], "seconds": samples}, f, indent=1)
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()
