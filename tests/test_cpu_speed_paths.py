@@ -38,9 +38,16 @@ pytestmark = pytest.mark.skipif(
     "cpu" not in nv.available_platforms(), reason="no CPU handlers built"
 )
 
-# (M, K, N): single elements, edges of every kernel's tile (4, 6 rows; 16,
-# 64 columns), sums of 2048 products.
-GEMM_SHAPES = [(1, 16, 1), (7, 48, 130), (67, 96, 70), (130, 2048, 65)]
+# (M, K, N): single elements, edges of every kernel's tile (4, 6 rows; 8, 16,
+# 64 columns) and block of a (60 rows), sums of 2048 products (k in slices),
+# b's columns in several blocks.
+GEMM_SHAPES = [
+    (1, 16, 1),
+    (7, 48, 130),
+    (67, 96, 70),
+    (130, 2048, 65),
+    (8, 2048, 1100),
+]
 
 
 def _on_cpu(fn, *args):

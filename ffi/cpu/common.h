@@ -175,9 +175,7 @@ void ForTileRows(ffi::ThreadPool& pool, const MatrixDims& d, const Body& body) {
 // The instruction set the kernels (cpu/*_kernels.inc) are compiled for, chosen
 // once per process: the best the CPU supports, or a lower one named by
 // JAX_NVFP4_CPU_KERNELS (base, avx2, avx512; for tests and comparisons).
-// Every variant computes the same bytes: the kernels use only IEEE operations
-// in the order of numerics/nvfp4.h, lane by lane (and fused multiply-adds only
-// where the product is exact).
+// Every variant computes the same bytes and sums (the kernel files say why).
 enum class Isa { kBase, kAvx2, kAvx512 };
 
 inline Isa BestIsa() {

@@ -1,5 +1,6 @@
 // CPU handler of jax_nvfp4_matmul: the block-scaled FP4 GEMM, every output
-// summed over k in order (cpu/gemm_kernels.inc), on XLA's intra-op threads.
+// summed over k in order (cpu/gemm_kernels.inc), on XLA's intra-op threads,
+// with a few MiB of decoded operands at a time.
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -13,6 +14,14 @@
 namespace jax_nvfp4 {
 namespace cpu {
 namespace {
+
+// One batch item's operand of the kernels: codes [rows, K/2] and scale bytes
+// [rows, K/16].
+struct GemmOperand {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t rows;
+};
 
 #define JAX_NVFP4_KERNELS "cpu/gemm_kernels.inc"
 #include "cpu/isa_variants.inc"
@@ -62,66 +71,63 @@ ffi::Error MatmulCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> a_codes,
   const uint8_t* bs = static_cast<const uint8_t*>(b_scales.untyped_data());
   const bool bf16 = out->element_type() == ffi::DataType::BF16;
   if (batch == 0 || m == 0 || n == 0) return ffi::Error::Success();
-  // Decode both operands into panels (cpu/gemm_kernels.inc).
-  const int64_t rows = JAX_NVFP4_CALL_KERNEL(PanelRows);
+  // b's rows (the output's columns) in blocks of about 8 MiB of decoded
+  // panels: each block decoded once, by all threads, then multiplied by every
+  // block of a's rows, decoded slice by slice (cpu/gemm_kernels.inc), in
+  // chunks over (batch item, block of a, part of b's block).
   const int64_t cols = JAX_NVFP4_CALL_KERNEL(PanelCols);
-  const int64_t a_panels = (m + rows - 1) / rows;  // per batch item
-  const int64_t b_panels = (n + cols - 1) / cols;
-  std::unique_ptr<float[]> a_packed(new float[batch * a_panels * rows * k]);
-  std::unique_ptr<float[]> b_packed(new float[b_batch * b_panels * cols * k]);
-  const int64_t panels = batch * a_panels + b_batch * b_panels;
-  const int64_t pack_chunks = ChunkCount(
-      pool, panels,
-      std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, rows * k)));
-  const int64_t per_chunk = (panels + pack_chunks - 1) / pack_chunks;
-  ParallelFor(pool, pack_chunks, [&](int64_t c) {
-    for (int64_t p = c * per_chunk; p < std::min(panels, (c + 1) * per_chunk);
-         ++p) {
-      if (p < batch * a_panels) {
-        const int64_t item = p / a_panels, row0 = (p % a_panels) * rows;
-        JAX_NVFP4_CALL_KERNEL(
-            PackPanel, a_codes.typed_data() + item * m * (k / 2),
-            as + item * m * (k / kBlock), k, row0, std::min(rows, m - row0),
-            rows, a_packed.get() + p * rows * k);
-      } else {
-        const int64_t q = p - batch * a_panels;
-        const int64_t item = q / b_panels, row0 = (q % b_panels) * cols;
-        JAX_NVFP4_CALL_KERNEL(
-            PackPanel, b_codes.typed_data() + item * n * (k / 2),
-            bs + item * n * (k / kBlock), k, row0, std::min(cols, n - row0),
-            cols, b_packed.get() + q * cols * k);
-      }
-    }
-  });
-  // Tiles in blocks of a panels (about 256 KiB of a, reused from the cache
-  // against each b panel) times blocks of b panels (enough blocks to keep
-  // every thread busy).
-  const int64_t a_block =
-      std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, rows * k));
-  const int64_t a_blocks = (a_panels + a_block - 1) / a_block;
-  const int64_t wanted = ChunkCount(pool, batch * a_blocks * b_panels, 1);
-  const int64_t b_blocks = std::clamp<int64_t>(
-      (wanted + batch * a_blocks - 1) / (batch * a_blocks), 1, b_panels);
-  const int64_t b_block = (b_panels + b_blocks - 1) / b_blocks;
-  const int64_t b_block_count = (b_panels + b_block - 1) / b_block;
-  ParallelFor(pool, batch * a_blocks * b_block_count, [&](int64_t c) {
-    const int64_t item = c / (a_blocks * b_block_count);
-    const int64_t ab = (c / b_block_count) % a_blocks;
-    const int64_t bb = c % b_block_count;
-    const int64_t b_item = b_batch == 1 ? 0 : item;
-    const float a_max =
-        a_amax.typed_data()[a_amax.element_count() == 1 ? 0 : item];
+  const int64_t block_rows = JAX_NVFP4_CALL_KERNEL(BlockRows);
+  const int64_t n_block = std::clamp<int64_t>(
+      (int64_t{1} << 21) / std::max<int64_t>(1, k) / cols * cols, cols,
+      4096 / cols * cols);
+  const int64_t a_blocks = (m + block_rows - 1) / block_rows;
+  std::unique_ptr<float[]> b_packed(
+      new float[std::min(n_block, (n + cols - 1) / cols * cols) * k]);
+  for (int64_t b_item = 0; b_item < b_batch; ++b_item) {
+    const GemmOperand b_op{b_codes.typed_data() + b_item * n * (k / 2),
+                           bs + b_item * n * (k / kBlock), n};
     const float b_max =
         b_amax.typed_data()[b_amax.element_count() == 1 ? 0 : b_item];
-    const float alpha = (a_max / kScaleRange) * (b_max / kScaleRange);
-    void* item_out =
-        static_cast<char*>(out->untyped_data()) + item * m * n * (bf16 ? 2 : 4);
-    JAX_NVFP4_CALL_KERNEL(
-        MultiplyPanels, a_packed.get() + item * a_panels * rows * k,
-        b_packed.get() + b_item * b_panels * cols * k, m, n, k, ab * a_block,
-        std::min(a_panels, (ab + 1) * a_block), bb * b_block,
-        std::min(b_panels, (bb + 1) * b_block), alpha, bf16, item_out);
-  });
+    // The a items that meet this b: all of them for a shared b.
+    const int64_t first_item = b_batch == 1 ? 0 : b_item;
+    const int64_t items = b_batch == 1 ? batch : 1;
+    for (int64_t n0 = 0; n0 < n; n0 += n_block) {
+      const int64_t count = std::min(n_block, n - n0);
+      const int64_t panels = (count + cols - 1) / cols;
+      ParallelFor(pool, ChunkCount(pool, panels, 1), [&](int64_t c) {
+        const int64_t chunks = ChunkCount(pool, panels, 1);
+        const int64_t per_chunk = (panels + chunks - 1) / chunks;
+        for (int64_t q = c * per_chunk;
+             q < std::min(panels, (c + 1) * per_chunk); ++q) {
+          JAX_NVFP4_CALL_KERNEL(PackPanel, b_op.codes, b_op.scales, k,
+                                n0 + q * cols, std::min(cols, count - q * cols),
+                                cols, 0, k, b_packed.get() + q * k * cols);
+        }
+      });
+      // Enough parts of b's block to keep every thread busy.
+      const int64_t wanted = ChunkCount(pool, items * a_blocks * panels, 1);
+      const int64_t parts = std::clamp<int64_t>(
+          (wanted + items * a_blocks - 1) / (items * a_blocks), 1, panels);
+      const int64_t per_part = (panels + parts - 1) / parts;
+      ParallelFor(pool, items * a_blocks * parts, [&](int64_t c) {
+        const int64_t item = first_item + c / (a_blocks * parts);
+        const int64_t a_row0 = (c / parts) % a_blocks * block_rows;
+        const int64_t q0 = c % parts * per_part;
+        if (q0 >= panels) return;
+        const GemmOperand a_op{a_codes.typed_data() + item * m * (k / 2),
+                               as + item * m * (k / kBlock), m};
+        const float a_max =
+            a_amax.typed_data()[a_amax.element_count() == 1 ? 0 : item];
+        const float alpha = (a_max / kScaleRange) * (b_max / kScaleRange);
+        JAX_NVFP4_CALL_KERNEL(
+            MultiplyBlock, a_op, a_row0, std::min(block_rows, m - a_row0),
+            b_packed.get() + q0 * k * cols, n0 + q0 * cols,
+            std::min(per_part * cols, count - q0 * cols), n, k, alpha, bf16,
+            static_cast<char*>(out->untyped_data()) +
+                item * m * n * (bf16 ? 2 : 4));
+      });
+    }
+  }
   return ffi::Error::Success();
 }
 
