@@ -5,18 +5,23 @@
     python benchmarks/model_step.py --memory     # peak memory, a process each
     python benchmarks/model_step.py --profile --sizes d2048-8k   # kernel families
 
-The model is examples/llama_flax.py's (Flax NNX; blocks stacked by nnx.vmap
-and run by nnx.scan; cudnn attention on a GPU; AdamW; fp32 master weights,
-bf16 compute). Sizes (--sizes, comma-separated):
+The models are examples/llama_flax.py's (Flax NNX; nnx.scan) and
+examples/llama_equinox.py's (Equinox; lax.scan over eqx.filter_vmap-built
+blocks, per-example vmap folded into the GEMMs), --frameworks picks: stacked
+blocks, the last one a stack of its own ("tail"), cudnn attention on a GPU,
+AdamW, fp32 master weights, bf16 compute. Sizes (--sizes, comma-separated):
 
     d2048-8k    d 2048, 8 blocks, 16 heads, SwiGLU 8192, 8 x 1024 tokens
     d2048-32k   the same at 32 x 1024 tokens
     d4096-8k    d 4096, 4 blocks, 32 heads, SwiGLU 14336, 8 x 1024 tokens
     tiny        d 64, 2 blocks, 2 heads, SwiGLU 128, 2 x 64 tokens (CPU smoke)
 
-Precisions (--precisions): bf16; mlp = the default policy (MLP linears of all
-but the last block in NVFP4); mlp+attn = attention projections too. --remat
-picks what each block keeps for the backward pass (examples/llama_flax.py).
+Precisions (--precisions): bf16; mlp = MLP linears of all but the last block
+in NVFP4 (the tail kept in bf16 by its path); mlp+attn = attention
+projections too; mlp-switch (not by default) = mlp with all blocks in one
+stack, the last kept in bf16 by the per-layer switch (a lax.cond in the scan,
+whose both branches' residuals are kept). --remat picks what each block keeps
+for the backward pass (the examples' REMAT_POLICIES).
 
 Timing: every configuration of a size is compiled first; then rounds in which
 each configuration in turn settles (runs untimed for --settle seconds, so
@@ -42,14 +47,17 @@ import subprocess
 import sys
 import time
 
+import equinox as eqx
 import jax
 import optax
 from common import argument_parser, header, write_json
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import llama_equinox  # noqa: E402
 import llama_flax  # noqa: E402
 
+import jax_nvfp4.equinox as nveqx  # noqa: E402
 from jax_nvfp4.flax import convert  # noqa: E402
 from jax_nvfp4.policy import Policy, transformer_policy  # noqa: E402
 
@@ -61,34 +69,53 @@ SIZES = {
     "tiny": (64, 2, 2, 128, 2, 64),
 }
 PRECISIONS = ("bf16", "mlp", "mlp+attn")
+# Not timed by default: the MLP policy with the last block in the same stack,
+# kept in bf16 by a per-layer switch (lax.cond) instead of a stack of its own.
+SWITCH = "mlp-switch"
+FRAMEWORKS = ("flax", "equinox")
 
 
 def policy_for(precision: str, blocks: int) -> Policy | None:
+    """The model's last block is a stack of its own ("tail"), kept in bf16 by
+    its path; mlp-switch keeps it by the per-layer switch of one stack."""
     if precision == "bf16":
         return None
-    if precision == "mlp":
+    if precision == SWITCH:
         return transformer_policy(blocks, keep_last=1)
-    if precision == "mlp+attn":
-        return transformer_policy(
-            blocks, keep_last=1, nvfp4_patterns=("*mlp*", "*attn*")
+    patterns = {"mlp": ("*mlp*",), "mlp+attn": ("*mlp*", "*attn*")}
+    if precision not in patterns:
+        raise ValueError(
+            f"precision must be one of {PRECISIONS + (SWITCH,)}, got {precision!r}"
         )
-    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return transformer_policy(
+        blocks,
+        keep_last=0,
+        nvfp4_patterns=patterns[precision],
+        bf16_patterns=("tail.*",),
+    )
 
 
-def build_step(size: str, precision: str, remat: str):
-    """(jitted step, state, batch): one AdamW step of the example's Llama."""
+def build_step(size: str, precision: str, remat: str, framework: str = "flax"):
+    """(jitted step(state, tokens) -> (state, loss), state, tokens): one AdamW
+    step of the example's Llama in ``framework``."""
     d, blocks, heads, ffn, batch, seq = SIZES[size]
-    attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    gpu = jax.default_backend() == "gpu"
+    tail = 0 if precision == SWITCH else 1
+    policy = policy_for(precision, blocks)
+    tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, 256)
+    if framework == "equinox":
+        step, state = _equinox_step(size, policy, remat, tail, gpu)
+        return step, state, tokens
     model = llama_flax.Llama(
         d_model=d,
         layers=blocks,
         heads=heads,
         ffn=ffn,
-        attention=attention,
+        attention="cudnn" if gpu else "xla",
         remat=remat,
+        tail_layers=tail,
         rngs=nnx.Rngs(params=0),
     )
-    policy = policy_for(precision, blocks)
     if policy is not None:
         convert(model, policy, nnx.Rngs(nvfp4=1))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
@@ -100,8 +127,42 @@ def build_step(size: str, precision: str, remat: str):
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
-    tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, 256)
     return jax.jit(step, donate_argnums=0), state, tokens
+
+
+def _equinox_step(size, policy, remat, tail, gpu):
+    """(step, state) of examples/llama_equinox.py's model: float32 master
+    weights cast to bf16 in the step, one stochastic-rounding key per step."""
+    d, blocks, heads, ffn, _, _ = SIZES[size]
+    model = llama_equinox.Llama(
+        d_model=d,
+        layers=blocks,
+        heads=heads,
+        ffn=ffn,
+        attention="cudnn" if gpu else None,
+        remat=remat,
+        tail_layers=tail,
+        key=jax.random.key(0),
+    )
+    if policy is not None:
+        model = nveqx.convert(model, policy)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    tx = optax.adamw(1e-4)
+
+    def step(state, tokens):
+        params, opt_state, key = state
+        key, step_key = jax.random.split(key)
+
+        def loss_of(params):
+            model = llama_equinox.to_bf16(eqx.combine(params, static))
+            return llama_equinox.loss_fn(model, tokens, step_key)
+
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, key), loss
+
+    state = (params, tx.init(params), jax.random.key(1))
+    return jax.jit(step, donate_argnums=0), state
 
 
 def run_steps(step, state, tokens, n: int):
@@ -111,11 +172,11 @@ def run_steps(step, state, tokens, n: int):
     return state
 
 
-def time_configs(size, precisions, remat, rounds, steps, settle):
+def time_configs(size, precisions, remat, rounds, steps, settle, framework):
     """{precision: [ms per step, one per round]}, interleaved rounds."""
     built = {}
     for precision in precisions:
-        step, state, tokens = build_step(size, precision, remat)
+        step, state, tokens = build_step(size, precision, remat, framework)
         state = run_steps(step, state, tokens, 2)  # compile and warm up
         built[precision] = [step, state, tokens]
     times = collections.defaultdict(list)
@@ -132,9 +193,9 @@ def time_configs(size, precisions, remat, rounds, steps, settle):
     return dict(times)
 
 
-def peak_memory(size, precision, remat) -> float | None:
+def peak_memory(size, precision, remat, framework) -> float | None:
     """Peak device memory (GiB) of a few steps of one configuration."""
-    step, state, tokens = build_step(size, precision, remat)
+    step, state, tokens = build_step(size, precision, remat, framework)
     run_steps(step, state, tokens, 3)
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
@@ -174,13 +235,13 @@ class _TwoSteps:
         return loss
 
 
-def profile(size, precisions, remat):
+def profile(size, precisions, remat, framework):
     """{precision: {family: µs per step}} of two traced steps each."""
     from step_profile import trace_events
 
     result = {}
     for precision in precisions:
-        step, state, tokens = build_step(size, precision, remat)
+        step, state, tokens = build_step(size, precision, remat, framework)
         state = run_steps(step, state, tokens, 2)
         two_steps = _TwoSteps(step, state)
         lines = trace_events(two_steps, tokens, warmup=1)
@@ -206,6 +267,7 @@ def profile(size, precisions, remat):
 def main(argv=None):
     parser = argument_parser(__doc__)
     parser.add_argument("--sizes", default="d2048-8k,d2048-32k,d4096-8k")
+    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--remat", default="none", choices=llama_flax.REMAT_POLICIES)
     parser.add_argument("--rounds", type=int, default=3)
@@ -217,92 +279,120 @@ def main(argv=None):
     parser.add_argument("--out", help="write every sample as JSON here")
     args = parser.parse_args(argv)
     sizes = args.sizes.split(",")
+    frameworks = args.frameworks.split(",")
     precisions = args.precisions.split(",")
     if precisions[0] != "bf16":
         raise SystemExit("--precisions must start with bf16 (the baseline)")
+    for precision in precisions:
+        if precision not in PRECISIONS + (SWITCH,):
+            raise SystemExit(
+                f"unknown precision {precision!r}; choose from {PRECISIONS + (SWITCH,)}"
+            )
     for size in sizes:
         if size not in SIZES:
             raise SystemExit(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+    for framework in frameworks:
+        if framework not in FRAMEWORKS:
+            raise SystemExit(f"unknown framework {framework!r}; choose {FRAMEWORKS}")
 
     if args.only:  # a child of --memory: one configuration, one line of JSON
-        size, precision = args.only.split(":")
-        print(json.dumps({"peak_gib": peak_memory(size, precision, args.remat)}))
+        framework, size, precision = args.only.split(":")
+        peak = peak_memory(size, precision, args.remat, framework)
+        print(json.dumps({"peak_gib": peak}))
         return
 
     print(header())
     print(f"remat={args.remat}")
-    payload = {"remat": args.remat, "sizes": {}}
+    payload = {"remat": args.remat, "runs": {}}
     for size in sizes:
-        d, blocks, heads, ffn, batch, seq = SIZES[size]
-        print(
-            f"\n{size}: d {d}, {blocks} blocks, {heads} heads, SwiGLU {ffn}, "
-            f"{batch} x {seq} tokens"
-        )
-        record = payload["sizes"][size] = {}
-        if args.memory:
-            record["peak_gib"] = {}
-            for precision in precisions:
-                child = subprocess.run(
-                    [sys.executable, __file__, "--only", f"{size}:{precision}"]
-                    + ["--remat", args.remat],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                lines = child.stdout.strip().splitlines()
-                peak = json.loads(lines[-1])["peak_gib"] if lines else None
-                record["peak_gib"][precision] = peak
-                base = record["peak_gib"]["bf16"]
-                ratio = f"{peak / base:.2f}x bf16" if peak and base else ""
-                shown = "n/a" if peak is None else f"{peak:.2f} GiB"
-                print(f"  peak memory {precision:9s} {shown} {ratio}")
-                if child.returncode:
-                    print(child.stderr[-2000:], file=sys.stderr)
-        elif args.profile:
-            result = profile(size, precisions, args.remat)
-            record["profile"] = result
-            families = sorted(
-                {f for r in result.values() for f in r["families"]},
-                key=lambda f: -result[precisions[-1]]["families"].get(f, 0),
+        for framework in frameworks:
+            d, blocks, heads, ffn, batch, seq = SIZES[size]
+            print(
+                f"\n{framework} {size}: d {d}, {blocks} blocks, {heads} heads, "
+                f"SwiGLU {ffn}, {batch} x {seq} tokens"
             )
-            print(f"  {'µs per step':24s}" + "".join(f"{p:>12s}" for p in precisions))
-            for f in families + ["busy"]:
-                values = [
-                    sum(result[p]["families"].values())
-                    if f == "busy"
-                    else result[p]["families"].get(f, 0.0)
-                    for p in precisions
-                ]
-                print(f"  {f:24s}" + "".join(f"{v:12,.0f}" for v in values))
-            base = sum(result["bf16"]["families"].values())
-            for p in precisions[1:]:
-                busy = sum(result[p]["families"].values())
-                wall = result[p]["wall_ms"] / result["bf16"]["wall_ms"]
-                busy_ratio = f"{busy / base:.3f}x" if base else "n/a"
-                print(
-                    f"  {p}: busy time {busy_ratio} bf16; wall clock of 6 "
-                    f"unsettled steps {result[p]['wall_ms']:.2f} ms, {wall:.3f}x bf16"
-                )
-            top = result[precisions[-1]]["top"]
-            print(f"  largest kernels of {precisions[-1]}:")
-            for name, us in sorted(top.items(), key=lambda kv: -kv[1])[:15]:
-                print(f"    {us:10,.0f} µs  {name[:90]}")
-        else:
-            times = time_configs(
-                size, precisions, args.remat, args.rounds, args.steps, args.settle
-            )
-            record["ms_per_step"] = times
-            for precision in precisions:
-                ratios = [
-                    t / b for t, b in zip(times[precision], times["bf16"], strict=True)
-                ]
-                print(
-                    f"  {precision:9s} {statistics.median(times[precision]):9.2f} "
-                    f"ms/step  {statistics.median(ratios):.3f}x bf16 "
-                    f"({min(ratios):.3f}..{max(ratios):.3f})"
-                )
+            record = payload["runs"][f"{framework}:{size}"] = {}
+            if args.memory:
+                record["peak_gib"] = _memory(args, framework, size, precisions)
+            elif args.profile:
+                record["profile"] = _profile(args, framework, size, precisions)
+            else:
+                record["ms_per_step"] = _timed(args, framework, size, precisions)
     if args.out:
         write_json(args.out, payload)
+
+
+def _memory(args, framework, size, precisions):
+    """Peak memory of each precision, each in a process of its own."""
+    peaks = {}
+    for precision in precisions:
+        child = subprocess.run(
+            [sys.executable, __file__, "--only", f"{framework}:{size}:{precision}"]
+            + ["--remat", args.remat],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        lines = child.stdout.strip().splitlines()
+        peak = json.loads(lines[-1])["peak_gib"] if lines else None
+        peaks[precision] = peak
+        base = peaks["bf16"]
+        ratio = f"{peak / base:.2f}x bf16" if peak and base else ""
+        shown = "n/a" if peak is None else f"{peak:.2f} GiB"
+        print(f"  peak memory {precision:10s} {shown} {ratio}")
+        if child.returncode:
+            print(child.stderr[-2000:], file=sys.stderr)
+    return peaks
+
+
+def _profile(args, framework, size, precisions):
+    result = profile(size, precisions, args.remat, framework)
+    last = precisions[-1]
+    families = sorted(
+        {f for r in result.values() for f in r["families"]},
+        key=lambda f: -result[last]["families"].get(f, 0),
+    )
+    print(f"  {'µs per step':24s}" + "".join(f"{p:>12s}" for p in precisions))
+    for f in families + ["busy"]:
+        values = [
+            sum(result[p]["families"].values())
+            if f == "busy"
+            else result[p]["families"].get(f, 0.0)
+            for p in precisions
+        ]
+        print(f"  {f:24s}" + "".join(f"{v:12,.0f}" for v in values))
+    base = sum(result["bf16"]["families"].values())
+    for p in precisions[1:]:
+        busy = sum(result[p]["families"].values())
+        wall = result[p]["wall_ms"] / result["bf16"]["wall_ms"]
+        busy_ratio = f"{busy / base:.3f}x" if base else "n/a"
+        print(
+            f"  {p}: busy time {busy_ratio} bf16; wall clock of 6 "
+            f"unsettled steps {result[p]['wall_ms']:.2f} ms, {wall:.3f}x bf16"
+        )
+    # What the last precision adds to bf16's step, kernel by kernel.
+    added = {
+        name: us - result["bf16"]["top"].get(name, 0.0)
+        for name, us in result[last]["top"].items()
+    }
+    print(f"  kernels {last} adds to bf16's (µs per step):")
+    for name, us in sorted(added.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"    {us:10,.0f}  {name[:90]}")
+    return result
+
+
+def _timed(args, framework, size, precisions):
+    times = time_configs(
+        size, precisions, args.remat, args.rounds, args.steps, args.settle, framework
+    )
+    for precision in precisions:
+        ratios = [t / b for t, b in zip(times[precision], times["bf16"], strict=True)]
+        print(
+            f"  {precision:10s} {statistics.median(times[precision]):9.2f} "
+            f"ms/step  {statistics.median(ratios):.3f}x bf16 "
+            f"({min(ratios):.3f}..{max(ratios):.3f})"
+        )
+    return times
 
 
 def argparse_hidden():

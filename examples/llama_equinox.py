@@ -9,15 +9,15 @@ float32 copy. With ``--precision nvfp4*`` the model is converted by
 all but the last ``--keep-last`` blocks run the NVFP4 recipe; attention,
 embeddings and the output head stay in bf16.
 
-Production shape: the blocks are one stack, built by ``eqx.filter_vmap``
+Production shape: the blocks are stacks, built by ``eqx.filter_vmap``
 (every array has a leading layer axis) and run by ``lax.scan``, so compile
 time does not grow with depth; each scan step is wrapped in
 ``jax.checkpoint`` with ``--remat`` (default: keep only the NVFP4 layers' FP4
 residuals, ``jax_nvfp4.save_fp4_residuals``, and recompute the rest). The
-stacked MLP linears become stacked ``jax_nvfp4.equinox.Linear``s; the policy's
-``keep_last`` is a per-layer switch in them that runs the last blocks' product
-in bf16 inside the scan. Each step of the scan gets its own stochastic-rounding
-key (``jax.random.split`` over the layers, scanned with the weights).
+stacked MLP linears become stacked ``jax_nvfp4.equinox.Linear``s. The last
+``--keep-last`` blocks are a second stack (``tail``) that the policy keeps in
+bf16 by its path. Each step of the scan gets its own stochastic-rounding key
+(``jax.random.split`` over the layers, scanned with the weights).
 
 The model is written per example and per position, the Equinox way:
 ``jax.vmap`` over the batch of a model that ``jax.vmap``s its linears over
@@ -171,8 +171,17 @@ REMAT_POLICIES = {
 
 
 class Llama(eqx.Module):
+    """Token ids [S] -> logits [S, 256] (fp32), one example.
+
+    ``tail_layers`` > 0 makes the last blocks a second stack (``tail``,
+    scanned after ``layers``), so that a policy can keep them in bf16 by path
+    (``bf16_patterns=("tail.*",)``) instead of by a per-layer switch inside
+    one scan, whose ``cond`` keeps both branches' residuals under ``grad``.
+    """
+
     embed: eqx.nn.Embedding
-    layers: Block  # the stack: every array with a leading [num_layers] axis
+    layers: Block  # a stack: every array with a leading layer axis
+    tail: Block | None  # the last tail_layers blocks, stacked likewise
     norm: RMSNorm
     lm_head: eqx.nn.Linear
     heads: int = eqx.field(static=True)
@@ -180,10 +189,23 @@ class Llama(eqx.Module):
     remat: str = eqx.field(static=True)
 
     def __init__(
-        self, *, d_model, layers, heads, ffn, attention=None, remat="fp4", key
+        self,
+        *,
+        d_model,
+        layers,
+        heads,
+        ffn,
+        attention=None,
+        remat="fp4",
+        tail_layers=0,
+        key,
     ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}")
+        if not 0 <= tail_layers < layers:
+            raise ValueError(
+                f"tail_layers={tail_layers} must be >= 0 and below layers={layers}"
+            )
         ke, kh, kl = jax.random.split(key, 3)
         weight = 0.02 * jax.random.normal(ke, (VOCAB, d_model), jnp.float32)
         self.embed = eqx.nn.Embedding(weight=weight)
@@ -191,7 +213,10 @@ class Llama(eqx.Module):
         def block(k):
             return Block(d_model, heads, ffn, attention=attention, key=k)
 
-        self.layers = eqx.filter_vmap(block)(jax.random.split(kl, layers))
+        keys = jax.random.split(kl, layers)
+        head = layers - tail_layers
+        self.layers = eqx.filter_vmap(block)(keys[:head])
+        self.tail = eqx.filter_vmap(block)(keys[head:]) if tail_layers else None
         self.norm = RMSNorm(d_model)
         self.lm_head = eqx.nn.Linear(d_model, VOCAB, use_bias=False, key=kh)
         self.heads = heads
@@ -202,21 +227,33 @@ class Llama(eqx.Module):
         """tokens int32 [S] -> logits float32 [S, 256] (one example)."""
         x = jax.vmap(self.embed)(tokens)
         cos, sin = rope_tables(tokens.shape[0], x.shape[-1] // self.heads)
-        # The scan slices every array of the stack (weights, and the per-layer
-        # NVFP4 switch of converted layers) and the per-layer keys.
-        params, static = eqx.partition(self.layers, eqx.is_array)
         keys = None if key is None else jax.random.split(key, self.num_layers)
-
-        def step(x, layer):
-            block_params, k = layer
-            return eqx.combine(block_params, static)(x, cos, sin, key=k), None
-
-        policy = REMAT_POLICIES[self.remat]
-        if self.remat != "none":
-            step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(step, x, (params, keys))
+        head = self.num_layers - (0 if self.tail is None else _stack_size(self.tail))
+        x = _scan_blocks(self.layers, x, cos, sin, keys, 0, head, self.remat)
+        if self.tail is not None:
+            x = _scan_blocks(self.tail, x, cos, sin, keys, head, None, self.remat)
         x = jax.vmap(self.norm)(x)
         return _per_position(self.lm_head, x, None).astype(jnp.float32)
+
+
+def _stack_size(stack: Block) -> int:
+    return stack.attn_norm.weight.shape[0]
+
+
+def _scan_blocks(stack, x, cos, sin, keys, start, stop, remat):
+    """Runs the stack's blocks in order with lax.scan: the scan slices every
+    array of the stack (weights, and the per-layer NVFP4 switch of converted
+    layers) and the per-layer keys (keys[start:stop])."""
+    params, static = eqx.partition(stack, eqx.is_array)
+    keys = None if keys is None else keys[start:stop]
+
+    def step(x, layer):
+        block_params, k = layer
+        return eqx.combine(block_params, static)(x, cos, sin, key=k), None
+
+    if remat != "none":
+        step = jax.checkpoint(step, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(step, x, (params, keys))[0]
 
 
 def to_bf16(model):
@@ -235,6 +272,9 @@ def loss_fn(model, batch: jax.Array, key: jax.Array | None) -> jax.Array:
 
 def build(args: argparse.Namespace):
     """(model, optimizer, schedule, policy or None) for the flags."""
+    # The last --keep-last blocks are the model's tail stack, kept in bf16
+    # (one stack, with every block in bf16, if that is all of them).
+    tail = args.keep_last if args.keep_last < args.layers else 0
     model = Llama(
         d_model=args.d_model,
         layers=args.layers,
@@ -242,13 +282,17 @@ def build(args: argparse.Namespace):
         ffn=args.ffn,
         attention=None if args.attention == "xla" else args.attention,
         remat=args.remat,
+        tail_layers=tail,
         key=jax.random.key(args.seed),
     )
     recipe = train_common.PRECISIONS[args.precision]
     policy = None
     if recipe is not None:
         policy = transformer_policy(
-            args.layers, recipe=recipe, keep_last=args.keep_last
+            args.layers,
+            recipe=recipe,
+            keep_last=args.keep_last - tail,
+            bf16_patterns=("tail.*",),
         )
         model = nveqx.convert(model, policy)
     optimizer, schedule = train_common.make_optimizer(args)

@@ -19,15 +19,15 @@ its fp32 kernel in the forward pass), norms, softmax and the loss in fp32.
 Precision: ``--precision bf16`` leaves the model as built; the NVFP4 choices
 convert it with ``jax_nvfp4.flax.convert`` and the default transformer policy
 (``jax_nvfp4.policy.transformer_policy``): the MLP linears (gate, up, down) of
-all but the last ``--keep-last`` blocks run the NVFP4 recipe; attention
-projections, embedding and head stay in bf16. Stochastic-rounding keys come
-from the model's own ``nvfp4`` RNG stream (seeded from ``--seed``), whose
-counts are part of the training state, so a run is reproducible and every step
-draws new bits. Training is AdamW with warmup and cosine decay
-(``train_common.make_optimizer``); ``train_common.run_training`` runs the loop
-and writes ``<out>/flax_<precision>.csv`` (or ``--label``), and this script
-draws the loss curves of every run in ``<out>`` (Flax and Equinox alike) into
-``<out>/loss_flax.png``.
+all but the last ``--keep-last`` blocks (a stack of their own, ``tail``) run
+the NVFP4 recipe; attention projections, embedding and head stay in bf16.
+Stochastic-rounding keys come from the model's own ``nvfp4`` RNG stream (seeded
+from ``--seed``), whose counts are part of the training state, so a run is
+reproducible and every step draws new bits. Training is AdamW with warmup and
+cosine decay (``train_common.make_optimizer``); ``train_common.run_training``
+runs the loop and writes ``<out>/flax_<precision>.csv`` (or ``--label``), and
+this script draws the loss curves of every run in ``<out>`` (Flax and Equinox
+alike) into ``<out>/loss_flax.png``.
 """
 
 from __future__ import annotations
@@ -164,10 +164,14 @@ REMAT_POLICIES = {
 class Llama(nnx.Module):
     """Token ids [B, S] -> logits [B, S, 256] (fp32).
 
-    The blocks are one stack: built by ``nnx.vmap`` (every parameter has a
+    The blocks are stacks: built by ``nnx.vmap`` (every parameter has a
     leading layer axis) and run by ``nnx.scan``, so compile time does not
-    grow with depth; ``jax_nvfp4.flax.convert`` stacks its RNG state (and the
-    bf16 switch of the last blocks) the same way.
+    grow with depth; ``jax_nvfp4.flax.convert`` stacks its RNG state the same
+    way. ``tail_layers`` > 0 makes the last blocks a second stack (``tail``,
+    scanned after ``layers``), so that a policy can keep them in bf16 by path
+    (``bf16_patterns=("tail.*",)``). In a single stack that needs a per-layer
+    switch (a ``lax.cond``), which under ``grad`` keeps both branches'
+    residuals: every block would save its bf16 inputs next to the FP4 copies.
     """
 
     def __init__(
@@ -180,10 +184,15 @@ class Llama(nnx.Module):
         tie_embeddings: bool = False,
         attention: str | None = None,
         remat: str = "fp4",
+        tail_layers: int = 0,
         rngs: nnx.Rngs,
     ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}")
+        if not 0 <= tail_layers < layers:
+            raise ValueError(
+                f"tail_layers={tail_layers} must be >= 0 and below layers={layers}"
+            )
         # GPT-2-style init: residual-output projections scaled by depth.
         out_std = 0.02 / math.sqrt(2 * layers)
         self.embed = nnx.Embed(
@@ -195,14 +204,18 @@ class Llama(nnx.Module):
             rngs=rngs,
         )
 
-        @nnx.split_rngs(splits=layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def stack(rngs: nnx.Rngs) -> Block:
-            return Block(
-                d_model, heads, ffn, out_std=out_std, attention=attention, rngs=rngs
-            )
+        def stack(size: int) -> Block:
+            @nnx.split_rngs(splits=size)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def blocks(rngs: nnx.Rngs) -> Block:
+                return Block(
+                    d_model, heads, ffn, out_std=out_std, attention=attention, rngs=rngs
+                )
 
-        self.layers = stack(rngs)
+            return blocks(rngs)
+
+        self.layers = stack(layers - tail_layers)
+        self.tail = stack(tail_layers) if tail_layers else None
         self.remat = remat
         self.norm = RMSNorm(d_model)
         self.tie_embeddings = tie_embeddings
@@ -218,6 +231,8 @@ class Llama(nnx.Module):
             block = nnx.remat(block, policy=REMAT_POLICIES[self.remat])
         run_blocks = nnx.scan(block, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
         x = run_blocks(self.layers, self.embed(tokens))
+        if self.tail is not None:
+            x = run_blocks(self.tail, x)
         x = self.norm(x)
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits.astype(jnp.float32)
@@ -227,6 +242,12 @@ def next_byte_loss(model: Llama, batch: jax.Array) -> jax.Array:
     """Mean cross-entropy (nats/byte) of predicting batch[:, 1:] from batch[:, :-1]."""
     logits = model(batch[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def _tail(args: argparse.Namespace) -> int:
+    """The blocks of the bf16 tail stack: --keep-last, unless every block
+    stays in bf16 (then one stack)."""
+    return args.keep_last if args.keep_last < args.layers else 0
 
 
 def build(args: argparse.Namespace) -> tuple[Llama, str]:
@@ -239,13 +260,20 @@ def build(args: argparse.Namespace) -> tuple[Llama, str]:
         tie_embeddings=args.tie_embeddings,
         attention=args.attention,
         remat=args.remat,
+        tail_layers=_tail(args),
         rngs=nnx.Rngs(params=args.seed),
     )
     recipe = train_common.PRECISIONS[args.precision]
     linears = sum(isinstance(n, nnx.Linear) for _, n in nnx.iter_graph(model))
     if recipe is None:
         return model, f"all {linears} linear layers (or stacks) in bf16"
-    policy = transformer_policy(args.layers, recipe=recipe, keep_last=args.keep_last)
+    # The last --keep-last blocks are the model's tail stack, kept in bf16.
+    policy = transformer_policy(
+        args.layers,
+        recipe=recipe,
+        keep_last=args.keep_last - _tail(args),
+        bf16_patterns=("tail.*",),
+    )
     convert(model, policy, nnx.Rngs(nvfp4=args.seed + 1))
     converted = sorted(nvfp4_layers(model))
     if not converted:

@@ -221,6 +221,7 @@ def transformer_policy(
     recipe: Recipe = NVFP4,
     keep_last: int = 1,
     nvfp4_patterns: Sequence[str] = ("*mlp*", "*ffn*", "*feed_forward*"),
+    bf16_patterns: Sequence[str] = (),
 ) -> Policy:
     """The default policy for a transformer with ``num_layers`` blocks.
 
@@ -233,19 +234,29 @@ def transformer_policy(
       recipe: the recipe of the NVFP4 layers (e.g. ``NVFP4_NO_RHT``).
       keep_last: how many final blocks stay entirely in bf16.
       nvfp4_patterns: ``fnmatch`` globs of the module paths to run in NVFP4.
+      bf16_patterns: globs of paths that stay in bf16 although an
+        ``nvfp4_patterns`` glob matches them (checked first). For a model
+        whose last blocks are a stack of their own (``"tail.*"``): inside one
+        scanned stack, ``keep_last`` needs a per-layer switch, and under
+        ``grad`` a switch keeps both its branches' residuals.
     """
-    if isinstance(nvfp4_patterns, str):
-        raise TypeError(
-            "nvfp4_patterns is a sequence of globs; wrap a single glob in a "
-            f"tuple: ({nvfp4_patterns!r},)"
-        )
+    for name, globs in (
+        ("nvfp4_patterns", nvfp4_patterns),
+        ("bf16_patterns", bf16_patterns),
+    ):
+        if isinstance(globs, str):
+            raise TypeError(
+                f"{name} is a sequence of globs; wrap a single glob in a "
+                f"tuple: ({globs!r},)"
+            )
     if keep_last > num_layers:
         raise ValueError(
             f"keep_last={keep_last} exceeds num_layers={num_layers}; at most "
             "every block can stay in bf16"
         )
     return Policy(
-        rules=tuple((glob, recipe) for glob in nvfp4_patterns),
+        rules=tuple((glob, None) for glob in bf16_patterns)
+        + tuple((glob, recipe) for glob in nvfp4_patterns),
         default=None,
         keep_last=keep_last,
         num_layers=num_layers,

@@ -359,3 +359,23 @@ def test_llama_equinox_example_folds_and_trains(tmp_path):
     )  # fmt: skip
     losses = [float(r["loss"]) for r in records]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_llama_equinox_bf16_tail_stack_needs_no_switch():
+    """The example's last block as a stack of its own, kept in bf16 by path:
+    the first stack converts whole (no per-layer switch, so no cond and no
+    bf16 residuals of a second branch), the tail stays eqx.nn.Linear."""
+    example = _example()
+    model = example.Llama(d_model=32, layers=3, heads=2, ffn=64, tail_layers=1, key=KEY)
+    assert model.layers.mlp.up_proj.weight.shape[0] == 2
+    assert model.tail.mlp.up_proj.weight.shape[0] == 1
+    policy = transformer_policy(3, keep_last=0, bf16_patterns=("tail.*",))
+    model = nveqx.convert(model, policy)
+    assert isinstance(model.layers.mlp.up_proj, nveqx.Linear)
+    assert model.layers.mlp.up_proj.nvfp4 is None  # all layers in NVFP4
+    assert type(model.tail.mlp.up_proj) is eqx.nn.Linear
+    batch = jnp.zeros((2, 17), jnp.int32)
+    loss = eqx.filter_grad(lambda m: example.loss_fn(example.to_bf16(m), batch, KEY))
+    found = _primitives(loss, model)
+    assert "cond" not in found and "scan" in found
+    assert found["nvfp4_matmul"]
