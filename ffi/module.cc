@@ -141,7 +141,6 @@ NB_MODULE(_ffi, m) {
         d["call_batch"] = p.call_batch;
         d["call_m"] = p.call_m;
         d["workspace_head_bytes"] = p.workspace_head_bytes;
-        d["alpha_vectors_offset"] = p.alpha_vectors_offset;
         d["workspace_bytes"] = p.workspace_bytes;
         return d;
       },

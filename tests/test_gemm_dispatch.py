@@ -143,7 +143,7 @@ def test_lowers_to_one_handler_call_on_hopper(monkeypatch, case, dtype):
     calls = _custom_calls(text)
     assert len(calls) == 1 and f"@{hopper.GRAPH_TARGET}(" in calls[0], calls
     out = "bf16" if dtype == jnp.bfloat16 else "f32"
-    ws = hopper.workspace_bytes(batch, n)
+    ws = hopper.workspace_bytes(batch)
     a_n, b_n = (batch if a_per_item else 1), (b_batch if b_per_item else 1)
     assert (
         f"(tensor<{batch}x{m}x{k}xbf16>, tensor<{b_batch}x{n}x{k}xbf16>, "

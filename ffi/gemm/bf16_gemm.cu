@@ -4,18 +4,15 @@
 //
 // jax_nvfp4/backends/hopper.py decodes both operands to bfloat16 in XLA (e2m1
 // times the E4M3 block scale has at most 6 significant bits: exact in bfloat16)
-// and hands them here with the amaxes. The alpha kernels (cublaslt.h) write
+// and hands them here with the amaxes. The alpha kernel (cublaslt.h) writes
 // alpha = (amax_a / 2688) * (amax_b / 2688) and beta = 0 to the head of the
-// workspace, and alpha as a vector of N equal values after them; then
-// cublasLtMatmul computes, per the plan of bf16_gemm_plan.h,
+// workspace; then cublasLtMatmul computes, per the plan of bf16_gemm_plan.h,
 //   A = b, CUDA_R_16BF, k x n, lda = k, CUBLAS_OP_T
 //   B = a, CUDA_R_16BF, k x m, ldb = k, CUBLAS_OP_N
 //   D = C = out^T, CUDA_R_16BF or CUDA_R_32F, n x m, ldd = n
 //   compute CUBLAS_COMPUTE_32F, scale type CUDA_R_32F,
-//   POINTER_MODE = CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_ZERO, so
-//   that cuBLASLt may pick its beta-free kernels (with a beta in device
-//   memory it cannot know that beta is 0); CUBLASLT_POINTER_MODE_DEVICE
-//   (alpha and beta = 0 from the head) where it has no algorithm for that.
+//   POINTER_MODE = CUBLASLT_POINTER_MODE_DEVICE (alpha, beta = 0 from the
+//   workspace head; cuBLAS does not read C when beta is 0).
 // The float32 accumulator is multiplied by alpha and rounded once, to the
 // output type, in the epilogue: no float32 [M, N] intermediate and no separate
 // scaling pass, unlike XLA's dot with a float32 result followed by a multiply.
@@ -28,7 +25,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -46,16 +42,6 @@ constexpr GemmErrors kErrors = {
     " To use XLA's GEMM instead, set JAX_NVFP4_CUBLASLT_GEMM=0 before the "
     "computation is compiled."};
 
-// JAX_NVFP4_GEMM_ALPHA_VECTOR=0 keeps the scalar device-pointer alpha (for
-// comparisons); read once.
-bool AlphaVectorsWanted() {
-  static const bool wanted = [] {
-    const char* value = std::getenv("JAX_NVFP4_GEMM_ALPHA_VECTOR");
-    return value == nullptr || std::string(value) != "0";
-  }();
-  return wanted;
-}
-
 std::string Problem(const Bf16GemmPlan& p, ffi::DataType out) {
   return "batch=" + std::to_string(p.batch) + " M=" + std::to_string(p.m) +
          " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
@@ -66,11 +52,10 @@ std::string Problem(const Bf16GemmPlan& p, ffi::DataType out) {
 }
 
 // The operation of bf16_gemm_plan.h: D (n x call_m, call_batch of them) =
-// alpha * b^T a, alpha (a vector of n equal values, or with `alpha_vector`
-// false a scalar) and beta read from device memory.
-bool Describe(const Bf16GemmPlan& p, cudaDataType_t d_type, bool alpha_vector,
+// alpha * b^T a, alpha and beta read from device memory.
+bool Describe(const Bf16GemmPlan& p, cudaDataType_t d_type,
               MatmulDescriptors& desc, CublasFailure& ok) {
-  return desc.CreateTnOperation(ok, alpha_vector) &&
+  return desc.CreateTnOperation(ok) &&
          desc.CreateLayout(&desc.a, "cublasLtMatrixLayoutCreate(A)",
                            CUDA_R_16BF, p.k, p.n, p.k, p.call_batch, p.b_stride,
                            ok) &&
@@ -158,6 +143,10 @@ ffi::Error MatmulBf16(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
   CublasFailure ok;
   const cudaDataType_t d_type =
       out_type == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_32F;
+  MatmulDescriptors desc(lt);
+  if (!Describe(p, d_type, desc, ok)) {
+    return ok.Error(*lt, kErrors, Problem(p, out_type));
+  }
 
   // The alignment cuBLASLt may assume for each matrix: of its base pointer,
   // its leading dimension in bytes and, when items are reached by offsets
@@ -169,45 +158,27 @@ ffi::Error MatmulBf16(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
   const uint64_t ld_ab = static_cast<uint64_t>(p.k * kBf16Bytes);
   const CublasWorkspace cublas_workspace = AlignedCublasWorkspace(
       ws_data + p.workspace_head_bytes, p.workspace_bytes);
-  AlgoKey key{device.ordinal,
-              CUDA_R_16BF,
-              d_type,
-              p.call_m,
-              p.n,
-              p.k,
-              p.call_batch,
-              cublas_workspace.bytes,
-              CommonAlignment(
-                  {Address(b_data), ld_ab, item_bytes(p.b_stride, kBf16Bytes)}),
-              CommonAlignment(
-                  {Address(a_data), ld_ab, item_bytes(p.a_stride, kBf16Bytes)}),
-              CommonAlignment({Address(out_data),
-                               static_cast<uint64_t>(p.n * out_bytes),
-                               item_bytes(p.out_stride, out_bytes)})};
-  // The alpha-vector pointer mode first (beta known to be zero); the scalar
-  // device-pointer mode where this cuBLASLt has no algorithm for it.
+  const AlgoKey key{device.ordinal,
+                    CUDA_R_16BF,
+                    d_type,
+                    p.call_m,
+                    p.n,
+                    p.k,
+                    p.call_batch,
+                    cublas_workspace.bytes,
+                    CommonAlignment({Address(b_data), ld_ab,
+                                     item_bytes(p.b_stride, kBf16Bytes)}),
+                    CommonAlignment({Address(a_data), ld_ab,
+                                     item_bytes(p.a_stride, kBf16Bytes)}),
+                    CommonAlignment({Address(out_data),
+                                     static_cast<uint64_t>(p.n * out_bytes),
+                                     item_bytes(p.out_stride, out_bytes)})};
   cublasLtHandle_t handle;
   cublasLtMatmulAlgo_t algo;
   bool found = false, did_setup = false;
-  MatmulDescriptors vector_desc(lt), scalar_desc(lt);
-  bool alpha_vector = AlphaVectorsWanted();
-  if (alpha_vector) {
-    CublasFailure vector_ok;
-    key.alpha_vector = true;
-    alpha_vector = Describe(p, d_type, true, vector_desc, vector_ok) &&
-                   HandleAndAlgo(vector_desc, key, &handle, &algo, &found,
-                                 vector_ok, &did_setup) &&
-                   found;
+  if (!HandleAndAlgo(desc, key, &handle, &algo, &found, ok, &did_setup)) {
+    return ok.Error(*lt, kErrors, Problem(p, out_type));
   }
-  if (!alpha_vector) {
-    key.alpha_vector = false;
-    if (!Describe(p, d_type, false, scalar_desc, ok) ||
-        !HandleAndAlgo(scalar_desc, key, &handle, &algo, &found, ok,
-                       &did_setup)) {
-      return ok.Error(*lt, kErrors, Problem(p, out_type));
-    }
-  }
-  const MatmulDescriptors& desc = alpha_vector ? vector_desc : scalar_desc;
   CountGemmCall(device.capturing, did_setup);
   if (!found) {
     return kErrors.FailAtRunTime(
@@ -227,20 +198,10 @@ ffi::Error MatmulBf16(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
       err != cudaSuccess) {
     return kErrors.Cuda("the alpha kernel's launch", err);
   }
-  auto* vectors = reinterpret_cast<float*>(ws_data + p.alpha_vectors_offset);
-  if (alpha_vector) {
-    if (cudaError_t err = LaunchGemmAlphaVectors(
-            stream, a_amax_data, p.a_amax_stride, b_amax_data, p.b_amax_stride,
-            p.alphas, p.n, vectors);
-        err != cudaSuccess) {
-      return kErrors.Cuda("the alpha kernel's launch", err);
-    }
-  }
   const float* beta = head;
   // Call c covers item c when there is one call per item, else every item.
   for (int64_t c = 0; c < p.calls; ++c) {
-    const int64_t item = p.alphas == 1 ? 0 : c;
-    const float* alpha = alpha_vector ? vectors + item * p.n : head + 1 + item;
+    const float* alpha = head + 1 + (p.alphas == 1 ? 0 : c);
     void* d = out_data + c * p.out_stride * out_bytes;
     if (!ok("cublasLtMatmul",
             lt->Matmul(handle, desc.op, alpha,

@@ -33,14 +33,6 @@ inline int64_t GemmWorkspaceHeadBytes(int64_t batch) {
   return (static_cast<int64_t>(sizeof(float)) * (1 + batch) + 255) / 256 * 256;
 }
 
-// The bf16 GEMM's head: GemmWorkspaceHeadBytes(batch), then room for one
-// alpha vector of n floats per batch item (cuBLASLt's alpha-vector pointer
-// mode, one value per row of its D = out^T), padded to 256 bytes.
-inline int64_t Bf16GemmWorkspaceHeadBytes(int64_t batch, int64_t n) {
-  return GemmWorkspaceHeadBytes(batch) +
-         (static_cast<int64_t>(sizeof(float)) * batch * n + 255) / 256 * 256;
-}
-
 // The checks both GEMM plans share, once a's batch, b's batch, M and N are
 // known: amaxes of 1 value or one per item, out [batch, M, N], and a
 // workspace with room for its head. Empty when they hold.
@@ -93,8 +85,7 @@ struct Bf16GemmPlan {
   int64_t calls = 0;
   int64_t call_batch = 0;
   int64_t call_m = 0;
-  int64_t workspace_head_bytes = 0;  // beta, alphas and alpha vectors
-  int64_t alpha_vectors_offset = 0;  // bytes from the head's start
+  int64_t workspace_head_bytes = 0;  // beta and alphas
   int64_t workspace_bytes = 0;       // for cuBLASLt, after the head
 };
 
@@ -133,12 +124,7 @@ inline std::string PlanBf16Gemm(const std::vector<int64_t>& a,
       !e.empty()) {
     return e;
   }
-  const int64_t head = Bf16GemmWorkspaceHeadBytes(batch, n);
-  if (workspace[0] < head) {
-    return "the workspace must have at least " + std::to_string(head) +
-           " bytes (beta, and one alpha and one alpha vector of N floats per "
-           "batch item)";
-  }
+  const int64_t head = GemmWorkspaceHeadBytes(batch);
   const bool shared_b = b_batch == 1;
   const bool one_alpha = a_amax[0] == 1 && b_amax[0] == 1;
   plan->batch = batch;
@@ -165,7 +151,6 @@ inline std::string PlanBf16Gemm(const std::vector<int64_t>& a,
     plan->call_m = m;
   }
   plan->workspace_head_bytes = head;
-  plan->alpha_vectors_offset = GemmWorkspaceHeadBytes(batch);
   plan->workspace_bytes = workspace[0] - head;
   // cuBLASLt takes the batch count as int32 and its kernels index rows and
   // columns with 32-bit integers.

@@ -1,7 +1,6 @@
 // The cuBLASLt plumbing shared by the GEMM handlers (see cublaslt.h).
 #include <dlfcn.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -184,21 +183,6 @@ __global__ void AlphaKernel(const float* a_amax, int64_t a_stride,
   }
 }
 
-__global__ void AlphaVectorKernel(const float* a_amax, int64_t a_stride,
-                                  const float* b_amax, int64_t b_stride,
-                                  int64_t count, int64_t length,
-                                  float* vectors) {
-  for (int64_t i = blockIdx.y; i < count; i += gridDim.y) {
-    const float alpha = (a_amax[i * a_stride] / kScaleRange) *
-                        (b_amax[i * b_stride] / kScaleRange);
-    for (int64_t j =
-             blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-         j < length; j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      vectors[i * length + j] = alpha;
-    }
-  }
-}
-
 }  // namespace
 
 ffi::Error GemmErrors::Fail(ffi::ErrorCode code,
@@ -323,12 +307,9 @@ MatmulDescriptors::~MatmulDescriptors() {
   if (op) lt->MatmulDescDestroy(op);
 }
 
-bool MatmulDescriptors::CreateTnOperation(CublasFailure& ok,
-                                          bool alpha_vector) {
+bool MatmulDescriptors::CreateTnOperation(CublasFailure& ok) {
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-  const cublasLtPointerMode_t pointer_mode =
-      alpha_vector ? CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_ZERO
-                   : CUBLASLT_POINTER_MODE_DEVICE;
+  const cublasLtPointerMode_t pointer_mode = CUBLASLT_POINTER_MODE_DEVICE;
   return ok("cublasLtMatmulDescCreate",
             lt->MatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F)) &&
          ok("cublasLtMatmulDescSetAttribute(TRANSA)",
@@ -361,9 +342,9 @@ bool MatmulDescriptors::CreateLayout(cublasLtMatrixLayout_t* layout,
 
 bool AlgoKey::operator<(const AlgoKey& o) const {
   return std::tie(device, ab_type, d_type, m, n, k, batch, workspace, align_a,
-                  align_b, align_d, alpha_vector) <
+                  align_b, align_d) <
          std::tie(o.device, o.ab_type, o.d_type, o.m, o.n, o.k, o.batch,
-                  o.workspace, o.align_a, o.align_b, o.align_d, o.alpha_vector);
+                  o.workspace, o.align_a, o.align_b, o.align_d);
 }
 
 void ForgetGemmSetup() {
@@ -406,21 +387,6 @@ cudaError_t LaunchGemmAlphas(cudaStream_t stream, const float* a_amax,
   const int64_t blocks = count > 0 ? (count + kThreads - 1) / kThreads : 1;
   AlphaKernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
       a_amax, a_stride, b_amax, b_stride, count, head);
-  return cudaGetLastError();
-}
-
-cudaError_t LaunchGemmAlphaVectors(cudaStream_t stream, const float* a_amax,
-                                   int64_t a_stride, const float* b_amax,
-                                   int64_t b_stride, int64_t count,
-                                   int64_t length, float* vectors) {
-  constexpr int kThreads = 256;
-  const int64_t blocks =
-      std::min<int64_t>((length + kThreads - 1) / kThreads, 64);
-  const dim3 grid(
-      static_cast<unsigned int>(std::max<int64_t>(blocks, 1)),
-      static_cast<unsigned int>(std::clamp<int64_t>(count, 1, 65535)));
-  AlphaVectorKernel<<<grid, kThreads, 0, stream>>>(
-      a_amax, a_stride, b_amax, b_stride, count, length, vectors);
   return cudaGetLastError();
 }
 

@@ -163,10 +163,8 @@ struct MatmulDescriptors {
   }
   // Creates the operation: compute CUBLAS_COMPUTE_32F, scale type
   // CUDA_R_32F, D = op(A) op(B) with op(A) = A^T ("TN"), alpha and beta
-  // read from device memory; with `alpha_vector`, alpha is a device vector
-  // (one value per row of D) and beta is zero, which lets cuBLASLt pick its
-  // beta-free kernels (a device-memory beta could be anything).
-  bool CreateTnOperation(CublasFailure& ok, bool alpha_vector = false);
+  // read from device memory.
+  bool CreateTnOperation(CublasFailure& ok);
   // Creates a column-major rows x cols layout (leading dimension ld) in
   // `*layout`; batch > 1 makes it a strided batch, `stride` elements apart.
   bool CreateLayout(cublasLtMatrixLayout_t* layout, const char* name,
@@ -183,7 +181,6 @@ struct AlgoKey {
   int64_t m, n, k, batch;  // of cuBLASLt's D = n x m
   size_t workspace;
   uint32_t align_a, align_b, align_d;  // cuBLASLt's A, B and C = D
-  bool alpha_vector = false;           // the pointer mode (CreateTnOperation)
   bool operator<(const AlgoKey& o) const;
 };
 
@@ -203,14 +200,6 @@ bool HandleAndAlgo(const MatmulDescriptors& desc, const AlgoKey& key,
 cudaError_t LaunchGemmAlphas(cudaStream_t stream, const float* a_amax,
                              int64_t a_stride, const float* b_amax,
                              int64_t b_stride, int64_t count, float* head);
-
-// Writes, for i < count, `length` copies of (a_amax[i * a_stride] / 2688) *
-// (b_amax[i * b_stride] / 2688) at vectors + i * length, on the stream: the
-// alpha vectors of CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_ZERO.
-cudaError_t LaunchGemmAlphaVectors(cudaStream_t stream, const float* a_amax,
-                                   int64_t a_stride, const float* b_amax,
-                                   int64_t b_stride, int64_t count,
-                                   int64_t length, float* vectors);
 
 // cuBLASLt's part of a handler's workspace result: it must be 256-byte
 // aligned, and XLA aligns results less strictly, so it starts at the first

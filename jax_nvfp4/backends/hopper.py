@@ -35,10 +35,9 @@ import jax.numpy as jnp
 from jax_nvfp4 import config, reference
 from jax_nvfp4.backends import devices, library
 from jax_nvfp4.backends.operands import (
-    WORKSPACE_BYTES,
     check_codes_operands,
     check_dtype,
-    round_up,
+    workspace_bytes,
 )
 from jax_nvfp4.format import holds_values
 
@@ -61,18 +60,6 @@ MIN_CAPABILITY = (8, 0)  # bf16 tensor cores (Ampere)
 # e2m1(code) * block scale as bfloat16 (exact), without the amax: the pure-JAX
 # twin of the CUDA handler behind decode_bf16_cuda.
 decode_bf16 = reference.decode_bf16
-
-
-def workspace_bytes(batch: int, n: int) -> int:
-    """Size of the handler's workspace result for out [batch, M, N]: a head
-    with beta and one alpha per batch item, then one alpha vector of N floats
-    per item (cuBLASLt's alpha-vector pointer mode), each part 256-byte
-    aligned (``ffi/gemm/bf16_gemm_plan.h``), then cuBLASLt's."""
-    return (
-        round_up(4 * (1 + batch), 256)
-        + round_up(4 * batch * n, 256)
-        + (WORKSPACE_BYTES)
-    )
 
 
 def cublaslt_gemm_supported(target: Sequence[Any] | None = None) -> bool:
@@ -123,7 +110,7 @@ def _call_handler(
         target,
         (
             jax.ShapeDtypeStruct((batch, m, b.shape[1]), dtype),
-            jax.ShapeDtypeStruct((workspace_bytes(batch, b.shape[1]),), jnp.uint8),
+            jax.ShapeDtypeStruct((workspace_bytes(batch),), jnp.uint8),
         ),
     )(a, b, a_amax, b_amax)
     return out
