@@ -189,3 +189,15 @@ def test_transformer_policy_errors():
         transformer_policy(2, keep_last=3)
     with pytest.raises(TypeError, match="sequence of globs"):
         transformer_policy(2, nvfp4_patterns="*mlp*")
+
+
+def test_transformer_policy_bf16_patterns_win_over_nvfp4_patterns():
+    """A separately stacked tail of blocks stays in bf16 by its path; the
+    other stack's MLPs (no block index, so keep_last=0) run NVFP4."""
+    policy = transformer_policy(8, keep_last=0, bf16_patterns=("tail.*",))
+    assert policy.recipe_for("layers.mlp.up_proj") == NVFP4
+    assert policy.recipe_for("tail.mlp.up_proj") is None
+    assert policy.stack_recipes("layers.mlp.up_proj", 7) == (NVFP4,) * 7
+    assert policy.stack_recipes("tail.mlp.up_proj", 1) == (None,)
+    with pytest.raises(TypeError, match="bf16_patterns is a sequence"):
+        transformer_policy(8, bf16_patterns="tail.*")
