@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 import jax_nvfp4 as nv
-import jax_nvfp4.flax as nvflax
 from jax_nvfp4.flax import LinenDotGeneral, NNXDotGeneral, convert, nvfp4_layers
+from jax_nvfp4.flax import products as flax_products
 from jax_nvfp4.policy import Policy, transformer_policy
 
 BF16 = jnp.bfloat16
@@ -62,13 +62,13 @@ def reference_dense(params, x, *, key, recipe):
 def recorded_keys(monkeypatch):
     """Records the key each NVFP4 layer call passes to the recipe."""
     keys = []
-    inner = nvflax._dot_general
+    inner = flax_products.layer_dot_general
 
     def recording(*args, key, **kwargs):
         keys.append(key)
         return inner(*args, key=key, **kwargs)
 
-    monkeypatch.setattr(nvflax, "_dot_general", recording)
+    monkeypatch.setattr(flax_products, "layer_dot_general", recording)
     return keys
 
 
