@@ -20,6 +20,7 @@ from jax_nvfp4.format import (
     SCALE_RANGE,
     NVFP4Tensor,
 )
+from jax_nvfp4.grouped import ragged_dot
 from jax_nvfp4.matmul import matmul
 from jax_nvfp4.projection import dot, dot_general
 from jax_nvfp4.quantize import (
@@ -53,6 +54,7 @@ __all__ = [
     "Recipe",
     "dot",
     "dot_general",
+    "ragged_dot",
     "save_fp4_residuals",
     "BLOCK_SIZE",
     "E2M1_MAX",
