@@ -91,7 +91,7 @@ def policy_for(precision: str, blocks: int) -> Policy | None:
         blocks,
         keep_last=0,
         nvfp4_patterns=patterns[precision],
-        bf16_patterns=("tail.*",),
+        bf16_patterns=("tail.*", "*router*"),
     )
 
 

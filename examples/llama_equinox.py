@@ -292,7 +292,7 @@ def build(args: argparse.Namespace):
             args.layers,
             recipe=recipe,
             keep_last=args.keep_last - tail,
-            bf16_patterns=("tail.*",),
+            bf16_patterns=("tail.*", "*router*"),
         )
         model = nveqx.convert(model, policy)
     optimizer, schedule = train_common.make_optimizer(args)

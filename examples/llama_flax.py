@@ -45,10 +45,11 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_routing  # noqa: E402
 import train_common  # noqa: E402
 
 from jax_nvfp4 import save_fp4_residuals  # noqa: E402
-from jax_nvfp4.flax import convert, nvfp4_layers  # noqa: E402
+from jax_nvfp4.flax import Experts, convert, nvfp4_layers  # noqa: E402
 from jax_nvfp4.policy import transformer_policy  # noqa: E402
 
 VOCAB = 256
@@ -138,14 +139,59 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MoE(nnx.Module):
+    """SwiGLU experts: each token routed to its top_k of ``experts`` (the
+    router in fp32), the expert projections ``Experts`` layers run by
+    ``ragged_dot`` over the rows sorted by expert."""
+
+    def __init__(self, d, ffn, experts, *, top_k, out_std, rngs: nnx.Rngs):
+        self.top_k = top_k
+        self.router = nnx.Linear(
+            d,
+            experts,
+            use_bias=False,
+            param_dtype=PARAMS,
+            kernel_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+
+        def experts_layer(d_in, d_out, std):
+            return Experts(
+                experts,
+                d_in,
+                d_out,
+                dtype=COMPUTE,
+                param_dtype=PARAMS,
+                kernel_init=nnx.initializers.normal(std),
+                rngs=rngs,
+            )
+
+        self.gate_proj = experts_layer(d, ffn, 0.02)
+        self.up_proj = experts_layer(d, ffn, 0.02)
+        self.down_proj = experts_layer(ffn, d, out_std)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, s, d = x.shape
+        tokens = x.reshape(b * s, d)
+        logits = self.router(tokens.astype(jnp.float32))
+        rows, sizes, order, weights = moe_routing.route(tokens, logits, self.top_k)
+        h = jax.nn.silu(self.gate_proj(rows, sizes)) * self.up_proj(rows, sizes)
+        out = moe_routing.combine(self.down_proj(h, sizes), order, weights)
+        return out.reshape(b, s, d)
+
+
 class Block(nnx.Module):
-    def __init__(self, d, heads, ffn, *, out_std, attention, rngs: nnx.Rngs):
+    def __init__(self, d, heads, ffn, *, out_std, attention, experts=0, top_k=2, rngs):
         self.attn_norm = RMSNorm(d)
         self.attn = Attention(
             d, heads, out_std=out_std, implementation=attention, rngs=rngs
         )
         self.mlp_norm = RMSNorm(d)
-        self.mlp = MLP(d, ffn, out_std=out_std, rngs=rngs)
+        self.mlp = (
+            MoE(d, ffn, experts, top_k=top_k, out_std=out_std, rngs=rngs)
+            if experts
+            else MLP(d, ffn, out_std=out_std, rngs=rngs)
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x))
@@ -172,6 +218,8 @@ class Llama(nnx.Module):
     (``bf16_patterns=("tail.*",)``). In a single stack that needs a per-layer
     switch (a ``lax.cond``), which under ``grad`` keeps both branches'
     residuals: every block would save its bf16 inputs next to the FP4 copies.
+    ``experts`` > 0 makes each block's MLP a mixture of SwiGLU experts
+    (``MoE``: top_k routing, ``jax_nvfp4.flax.Experts`` projections).
     """
 
     def __init__(
@@ -185,6 +233,8 @@ class Llama(nnx.Module):
         attention: str | None = None,
         remat: str = "fp4",
         tail_layers: int = 0,
+        experts: int = 0,
+        top_k: int = 2,
         rngs: nnx.Rngs,
     ):
         if remat not in REMAT_POLICIES:
@@ -209,7 +259,14 @@ class Llama(nnx.Module):
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def blocks(rngs: nnx.Rngs) -> Block:
                 return Block(
-                    d_model, heads, ffn, out_std=out_std, attention=attention, rngs=rngs
+                    d_model,
+                    heads,
+                    ffn,
+                    out_std=out_std,
+                    attention=attention,
+                    experts=experts,
+                    top_k=top_k,
+                    rngs=rngs,
                 )
 
             return blocks(rngs)
@@ -261,6 +318,8 @@ def build(args: argparse.Namespace) -> tuple[Llama, str]:
         attention=args.attention,
         remat=args.remat,
         tail_layers=_tail(args),
+        experts=args.experts,
+        top_k=args.top_k,
         rngs=nnx.Rngs(params=args.seed),
     )
     recipe = train_common.PRECISIONS[args.precision]
@@ -272,7 +331,7 @@ def build(args: argparse.Namespace) -> tuple[Llama, str]:
         args.layers,
         recipe=recipe,
         keep_last=args.keep_last - _tail(args),
-        bf16_patterns=("tail.*",),
+        bf16_patterns=("tail.*", "*router*"),
     )
     convert(model, policy, nnx.Rngs(nvfp4=args.seed + 1))
     converted = sorted(nvfp4_layers(model))
@@ -310,6 +369,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "layers' FP4 residuals (jax_nvfp4.save_fp4_residuals), dots = every matmul "
         "output, full = nothing, none = no remat",
     )
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="MoE: SwiGLU experts per block (0: a dense MLP); the policy puts "
+        "the expert projections in NVFP4 like the MLP's, the router stays bf16",
+    )
+    parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
     parser.add_argument(
         "--tie-embeddings",
         action="store_true",

@@ -221,7 +221,7 @@ def transformer_policy(
     recipe: Recipe = NVFP4,
     keep_last: int = 1,
     nvfp4_patterns: Sequence[str] = ("*mlp*", "*ffn*", "*feed_forward*"),
-    bf16_patterns: Sequence[str] = (),
+    bf16_patterns: Sequence[str] = ("*router*",),
 ) -> Policy:
     """The default policy for a transformer with ``num_layers`` blocks.
 
@@ -235,7 +235,9 @@ def transformer_policy(
       keep_last: how many final blocks stay entirely in bf16.
       nvfp4_patterns: ``fnmatch`` globs of the module paths to run in NVFP4.
       bf16_patterns: globs of paths that stay in bf16 although an
-        ``nvfp4_patterns`` glob matches them (checked first). For a model
+        ``nvfp4_patterns`` glob matches them (checked first): by default
+        mixture-of-experts routers (their N is the expert count, and the
+        recipe keeps them in high precision). For a model
         whose last blocks are a stack of their own (``"tail.*"``): inside one
         scanned stack, ``keep_last`` needs a per-layer switch, and under
         ``grad`` a switch keeps both its branches' residuals.

@@ -33,10 +33,12 @@ dimensions: ``nn.Dense``/``nn.DenseGeneral``/``nnx.Linear``/
 ``nnx.LinearGeneral`` and einsum projections such as ``"BTD,DNH->BTNH"`` and
 ``"BTNH,NHD->BTD"`` (the weight may come first in the einsum). The weight's
 contracting dims fold into K and its free dims into N (both multiples of 16).
-Everything else — activation x activation products such as attention scores,
-products with batch dimensions, modules no rule matches, and convolutions
-and ``ragged_dot`` (not intercepted) — runs exactly as without the provider,
-bit for bit.
+And ``jax.lax.ragged_dot`` of rows sorted by group with weights [G, K, N]
+(mixture-of-experts projections, as MaxText's MoE runs them): through
+``jax_nvfp4.ragged_dot``. Everything else — activation x activation products
+such as attention scores, products with batch dimensions, a ragged_dot with
+a ``group_offset``, modules no rule matches, and convolutions (not
+intercepted) — runs exactly as without the provider, bit for bit.
 
 Stochastic-rounding keys (only the backward pass uses them; the forward pass
 is the same with or without a key):
@@ -71,7 +73,7 @@ import qwix
 from flax import linen, nnx
 from qwix._src.utils import flax_util
 
-from jax_nvfp4 import projection
+from jax_nvfp4 import grouped, projection
 from jax_nvfp4.recipe import NVFP4, Recipe
 
 __all__ = [
@@ -198,12 +200,60 @@ class NvFp4Provider(qwix.QtProvider):
         return NvFp4Rule(**values)
 
     def get_intercept_map(self):
-        """dot_general and einsum only: convolutions and ragged_dot are left
-        alone (no NVFP4 form)."""
+        """dot_general, einsum and ragged_dot (expert projections):
+        convolutions are left alone (no NVFP4 form)."""
         return qwix.QuantizationProvider.get_intercept_map(self) | {
             "jax.lax.dot_general": self.dot_general,
             "jax.numpy.einsum": self.einsum,
+            "jax.lax.ragged_dot": self.ragged_dot,
         }
+
+    def ragged_dot(
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        precision=None,
+        preferred_element_type=None,
+        group_offset=None,
+    ) -> jax.Array:
+        """``jax.lax.ragged_dot`` inside the quantized model: in a matched
+        module, rows sorted by group times one weight [G, K, N] per group
+        (expert projections) run ``jax_nvfp4.ragged_dot``; a ``group_offset``
+        (a shard of the groups) runs as called."""
+        rule, op_id = self._get_current_rule_and_op_id("ragged_dot")
+
+        def unquantized():
+            return jax.lax.ragged_dot(
+                lhs,
+                rhs,
+                group_sizes,
+                precision=precision,
+                preferred_element_type=preferred_element_type,
+                group_offset=group_offset,
+            )
+
+        if rule is None or rule.weight_qtype is None or group_offset is not None:
+            return unquantized()
+        if (
+            jnp.ndim(lhs) != 2
+            or jnp.ndim(rhs) != 3
+            or not self._fits(op_id, rhs, (1,), batch=1)
+        ):
+            return unquantized()
+        recipe = rule.recipe
+        key = self._key() if recipe.needs_key else None
+        if preferred_element_type is not None:
+            preferred_element_type = jnp.dtype(preferred_element_type)
+        dtype = jnp.result_type(lhs, rhs)
+        return grouped.ragged_dot(
+            lhs.astype(dtype),
+            rhs.astype(dtype),
+            group_sizes,
+            key=key,
+            recipe=recipe,
+            preferred_element_type=preferred_element_type,
+        )
 
     def dot_general(
         self,
@@ -295,21 +345,7 @@ class NvFp4Provider(qwix.QtProvider):
         """x . w contracting x's dims xc with w's wc (no batch dims) by the
         rule's recipe: [x free, w free]. None where the shape has no NVFP4
         form and ``strict`` is off (the caller runs it unquantized)."""
-        k = math.prod(w.shape[d] for d in wc)
-        n = math.prod(w.shape[d] for d in range(w.ndim) if d not in wc)
-        if k % 16 or n % 16:
-            message = (
-                f"{_module_path()} ({op_id}): NVFP4 needs the weight's "
-                f"contracted size K and free size N to be multiples of 16; its "
-                f"shape {tuple(w.shape)} contracts dims {tuple(wc)} (K={k}, N={n})"
-            )
-            if self.strict:
-                raise ValueError(
-                    f"{message}. Exclude it with a rule qwix.QtRule("
-                    "module_path=...) before the NVFP4 rule, or pass "
-                    "strict=False to leave such products unquantized"
-                )
-            warnings.warn(f"{message}: it stays unquantized", UserWarning, stacklevel=3)
+        if not self._fits(op_id, w, wc):
             return None
         recipe = rule.recipe
         key = self._key() if recipe.needs_key else None
@@ -325,6 +361,29 @@ class NvFp4Provider(qwix.QtProvider):
             key=key,
             _missing_key_message=self._missing_key_message(),
         )
+
+    def _fits(self, op_id: str, w, wc, batch: int = 0) -> bool:
+        """Whether the weight w, contracted over its dims wc (after ``batch``
+        leading group dims), has an NVFP4 form: K and N multiples of 16.
+        Where not, raises (``strict``) or warns that it stays unquantized."""
+        free = [d for d in range(batch, w.ndim) if d not in wc]
+        k = math.prod(w.shape[d] for d in wc)
+        n = math.prod(w.shape[d] for d in free)
+        if k % 16 == 0 and n % 16 == 0:
+            return True
+        message = (
+            f"{_module_path()} ({op_id}): NVFP4 needs the weight's "
+            f"contracted size K and free size N to be multiples of 16; its "
+            f"shape {tuple(w.shape)} contracts dims {tuple(wc)} (K={k}, N={n})"
+        )
+        if self.strict:
+            raise ValueError(
+                f"{message}. Exclude it with a rule qwix.QtRule("
+                "module_path=...) before the NVFP4 rule, or pass "
+                "strict=False to leave such products unquantized"
+            )
+        warnings.warn(f"{message}: it stays unquantized", UserWarning, stacklevel=4)
+        return False
 
     def _key(self) -> jax.Array | None:
         """The next stochastic-rounding key of the current module, or None."""

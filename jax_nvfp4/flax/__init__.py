@@ -34,16 +34,19 @@ usual (``promote_dtype``); keep fp32 master weights (``param_dtype``) and set
 """
 
 from jax_nvfp4.flax.conversion import convert, nvfp4_layers
+from jax_nvfp4.flax.experts import Experts, NNXRaggedDot
 from jax_nvfp4.flax.linen_layers import LinenDotGeneral, LinenEinsum
 from jax_nvfp4.flax.nnx_layers import NNXDotGeneral, NNXEinsumOp, NVFP4Enabled
 from jax_nvfp4.flax.products import DEFAULT_RNG_COLLECTION
 
 __all__ = [
     "DEFAULT_RNG_COLLECTION",
+    "Experts",
     "LinenDotGeneral",
     "LinenEinsum",
     "NNXDotGeneral",
     "NNXEinsumOp",
+    "NNXRaggedDot",
     "NVFP4Enabled",
     "convert",
     "nvfp4_layers",

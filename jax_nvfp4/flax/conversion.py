@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen, nnx
 
+from jax_nvfp4.flax.experts import Experts, NNXRaggedDot
 from jax_nvfp4.flax.nnx_layers import (
     NNXDotGeneral,
     NNXEinsumOp,
@@ -30,7 +31,7 @@ def _iter_graph(node: Any):
     return iter_graph(node)
 
 
-_LAYER_TYPES = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
+_LAYER_TYPES = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, Experts)
 
 
 def _kernel_shape(layer: nnx.Module) -> tuple[int, ...]:
@@ -69,6 +70,12 @@ def _layer_form(layer: nnx.Module):
 
     K and N are None where the layer decides them at call time (an
     ``nnx.Einsum`` whose equation is passed to ``__call__``)."""
+    if isinstance(layer, Experts):
+        shape = (layer.num_experts, layer.in_features, layer.out_features)
+        current = layer.ragged_dot
+        if current is not None and not isinstance(current, NNXRaggedDot):
+            return shape, *shape[1:], f"it has a custom ragged_dot ({current!r})"
+        return shape, *shape[1:], None
     if isinstance(layer, nnx.Einsum):
         shape = tuple(layer.kernel_shape)
         if layer.einsum_op is not jnp.einsum and not isinstance(
@@ -102,14 +109,17 @@ def _layer_form(layer: nnx.Module):
     return shape, *shape, None
 
 
-def _new_dot_general(recipes, rngs, rng_collection: str) -> NNXDotGeneral:
-    """The ``NNXDotGeneral`` of a layer, or of a stack of layers whose
-    ``recipes`` are one recipe or None (bf16) per layer: its RNG state (and,
-    if some layers stay in bf16, its switch) gets the stack's leading axis, so
-    that a scan over the stack hands each layer its own keys."""
+def _new_dot_general(
+    recipes, rngs, rng_collection: str, op=NNXDotGeneral
+) -> NNXDotGeneral | NNXRaggedDot:
+    """The ``op`` (``NNXDotGeneral``, or ``NNXRaggedDot`` for experts) of a
+    layer, or of a stack of layers whose ``recipes`` are one recipe or None
+    (bf16) per layer: its RNG state (and, if some layers stay in bf16, its
+    switch) gets the stack's leading axis, so that a scan over the stack
+    hands each layer its own keys."""
     recipe = next(r for r in recipes if r is not None)
     if len(recipes) == 1 and not isinstance(recipes, list):
-        return NNXDotGeneral(recipe, rngs=rngs, rng_collection=rng_collection)
+        return op(recipe, rngs=rngs, rng_collection=rng_collection)
     switch = None
     if any(r is None for r in recipes):
         switch = jnp.array([r is not None for r in recipes])
@@ -117,12 +127,11 @@ def _new_dot_general(recipes, rngs, rng_collection: str) -> NNXDotGeneral:
     if rngs is not None and recipe.needs_key:
         keys = jax.random.split(_fork_stream(rngs, rng_collection)(), len(recipes))
     if keys is None and switch is None:
-        return NNXDotGeneral(recipe, rngs=None, rng_collection=rng_collection)
+        return op(recipe, rngs=None, rng_collection=rng_collection)
 
     def make(keys, switch):
-        return NNXDotGeneral(
-            recipe, rngs=keys, rng_collection=rng_collection, enabled=switch
-        )
+        enabled = {} if switch is None else {"enabled": switch}
+        return op(recipe, rngs=keys, rng_collection=rng_collection, **enabled)
 
     in_axes = (None if keys is None else 0, None if switch is None else 0)
     return nnx.vmap(make, in_axes=in_axes, out_axes=0, axis_size=len(recipes))(
@@ -142,12 +151,13 @@ def convert(
     in place.
 
     Layers: ``nnx.Linear``, ``nnx.LinearGeneral`` (several input or feature
-    axes fold into one K and one N) and ``nnx.Einsum`` whose equation is
+    axes fold into one K and one N), ``nnx.Einsum`` whose equation is
     weight-like (no index shared by input, kernel and output: e.g.
-    ``"BTD,DNH->BTNH"``, ``"BTNH,NHD->BTD"``). For each one reached from
-    ``model`` (``nnx.iter_graph`` order, a shared layer once), ``path`` is its
-    normalised path (``policy.path_string``, e.g. ``"layers.3.mlp.up_proj"``)
-    and the policy decides:
+    ``"BTD,DNH->BTNH"``, ``"BTNH,NHD->BTD"``) and ``Experts`` (expert
+    projections: ``jax_nvfp4.ragged_dot``, through ``NNXRaggedDot``). For
+    each one reached from ``model`` (``nnx.iter_graph`` order, a shared layer
+    once), ``path`` is its normalised path (``policy.path_string``, e.g.
+    ``"layers.3.mlp.up_proj"``) and the policy decides:
 
     - ``None``: the layer is left untouched (bit-identical to the original).
     - a ``Recipe``: the layer's ``dot_general`` (an Einsum's ``einsum_op``)
@@ -235,6 +245,11 @@ def convert(
             continue
         if why is None and k is not None and (k % 16 or n % 16):
             why = f"K={k}, N={n} are not multiples of 16 (NVFP4 blocks)"
+        if why is None and isinstance(layer, Experts) and None in recipes:
+            why = (
+                "a stack of experts whose last layers the policy keeps in bf16 "
+                "(no per-layer switch for experts): split the stack"
+            )
         if why is not None:
             problems.append(f"{path} ({type(layer).__name__}: {why})")
             continue
@@ -252,6 +267,10 @@ def convert(
         warnings.warn(f"{message}: they stay as they are", UserWarning, stacklevel=2)
     # Only now change the model: an error above leaves it as it was.
     for layer, recipes in selected:
+        if isinstance(layer, Experts):
+            op = _new_dot_general(recipes, rngs, rng_collection, NNXRaggedDot)
+            layer.ragged_dot = _as_data(op)
+            continue
         dot_general = _new_dot_general(recipes, rngs, rng_collection)
         if isinstance(layer, nnx.Einsum):
             layer.einsum_op = _as_data(NNXEinsumOp(dot_general))
@@ -274,6 +293,8 @@ def nvfp4_layers(model: nnx.Module) -> dict[str, Recipe]:
             op = node.dot_general
         elif isinstance(node, nnx.Einsum):
             op = node.einsum_op
-        if isinstance(op, (NNXDotGeneral, NNXEinsumOp)):
+        elif isinstance(node, Experts):
+            op = node.ragged_dot
+        if isinstance(op, (NNXDotGeneral, NNXEinsumOp, NNXRaggedDot)):
             found[path_string(parts)] = op.recipe
     return found

@@ -1,0 +1,226 @@
+"""Mixture-of-experts layers in the frameworks: Flax NNX ``Experts`` through
+the policy (``convert``), qwix's interception of ``jax.lax.ragged_dot``, and
+the examples' MoE model that trains."""
+
+import importlib.util
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_nvfp4 as nv
+from jax_nvfp4.flax import Experts, NNXRaggedDot, convert, nvfp4_layers
+from jax_nvfp4.policy import Policy, transformer_policy
+
+BF16 = jnp.bfloat16
+E, D, F = 4, 32, 48  # experts, model width, expert width
+
+
+def _rows(seed=0, tokens=40):
+    """Rows sorted by expert (unbalanced, one expert empty) and their sizes."""
+    x = jax.random.normal(jax.random.key(seed), (tokens, D), BF16)
+    sizes = jnp.array([17, 0, 16, tokens - 33], jnp.int32)
+    return x, sizes
+
+
+class Block(nnx.Module):
+    """A router and one expert projection, as an MoE block holds them."""
+
+    def __init__(self, rngs):
+        self.router = nnx.Linear(D, E, use_bias=False, rngs=rngs)
+        self.experts = Experts(E, D, F, dtype=BF16, rngs=rngs)
+
+    def __call__(self, x, sizes):
+        return self.experts(x, sizes)
+
+
+def _assert_equal(a, b):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(u, np.float32), np.asarray(v, np.float32)
+        )
+
+
+def test_experts_is_lax_ragged_dot_until_converted():
+    layer = Experts(E, D, F, dtype=BF16, rngs=nnx.Rngs(0))
+    x, sizes = _rows()
+    kernel = layer.kernel[...].astype(BF16)
+    _assert_equal(layer(x, sizes), jax.lax.ragged_dot(x, kernel, sizes))
+
+
+def test_convert_selects_experts_by_path_and_keeps_the_router():
+    block = Block(nnx.Rngs(0))
+    policy = transformer_policy(1, keep_last=0, nvfp4_patterns=("*experts*",))
+    convert(block, policy, nnx.Rngs(nvfp4=1))
+    assert isinstance(block.experts.ragged_dot, NNXRaggedDot)
+    assert block.router.dot_general is jax.lax.dot_general  # N = 4 experts
+    assert nvfp4_layers(block) == {"experts": nv.NVFP4}
+
+
+def test_converted_experts_are_jax_nvfp4_ragged_dot():
+    """Forward and gradients bit-identical to jax_nvfp4.ragged_dot on the
+    same operands (a recipe without stochastic rounding needs no key)."""
+    layer = Experts(E, D, F, dtype=BF16, rngs=nnx.Rngs(0))
+    convert(layer, Policy(default=nv.NVFP4_NO_SR))
+    x, sizes = _rows(1)
+    g = jax.random.normal(jax.random.key(2), (x.shape[0], F), BF16)
+
+    def via_layer(layer, x):
+        return jnp.sum(layer(x, sizes).astype(jnp.float32) * g)
+
+    def direct(x, kernel):
+        y = nv.ragged_dot(x, kernel.astype(BF16), sizes, recipe=nv.NVFP4_NO_SR)
+        return jnp.sum(y.astype(jnp.float32) * g)
+
+    value, (d_layer, dx) = nnx.value_and_grad(via_layer, argnums=(0, 1))(layer, x)
+    want, (want_dx, want_dw) = jax.value_and_grad(direct, (0, 1))(x, layer.kernel[...])
+    _assert_equal((value, dx, d_layer.kernel[...]), (want, want_dx, want_dw))
+
+
+def test_converted_experts_draw_new_keys_each_call():
+    layer = Experts(E, D, F, dtype=BF16, rngs=nnx.Rngs(0))
+    convert(layer, Policy(default=nv.NVFP4), nnx.Rngs(nvfp4=3))
+    x, sizes = _rows(4)
+
+    @nnx.jit
+    def grads(layer, x):
+        return nnx.grad(lambda m: jnp.sum(m(x, sizes).astype(jnp.float32) ** 2))(layer)
+
+    first, second = grads(layer, x), grads(layer, x)
+    a, b = first.kernel[...], second.kernel[...]
+    assert np.all(np.isfinite(np.asarray(a))) and not np.array_equal(a, b)
+
+
+def test_unconverted_model_without_stream_raises_clearly_under_grad():
+    layer = Experts(E, D, F, dtype=BF16, rngs=nnx.Rngs(0))
+    convert(layer, Policy(default=nv.NVFP4))  # no rngs: forward only
+    x, sizes = _rows()
+    layer(x, sizes)  # the forward pass runs
+    with pytest.raises(ValueError, match="key"):
+        nnx.grad(lambda m: jnp.sum(m(x, sizes).astype(jnp.float32)))(layer)
+
+
+def test_stacked_experts_in_a_scan_get_per_layer_keys():
+    """Experts built by nnx.vmap (kernel [L, E, K, N]) and run by nnx.scan:
+    convert stacks their RNG state; training a step changes every layer."""
+
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Experts(E, D, D, dtype=BF16, rngs=rngs)
+
+    stack = make(nnx.Rngs(0))
+    assert stack.kernel[...].shape == (3, E, D, D)
+    convert(stack, Policy(default=nv.NVFP4), nnx.Rngs(nvfp4=5))
+    assert isinstance(stack.ragged_dot, NNXRaggedDot)
+    x, sizes = _rows(6)
+
+    def loss(stack):
+        def body(layer, h):
+            return layer(h, sizes)
+
+        out = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(stack, x)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grads = nnx.jit(nnx.grad(loss))(stack)
+    g = np.asarray(grads.kernel[...])
+    assert g.shape == (3, E, D, D) and np.all(np.isfinite(g))
+    assert all(np.any(g[i] != 0) for i in range(3))
+
+
+def test_convert_refuses_experts_that_cannot_run_nvfp4():
+    layer = Experts(E, D, 40, dtype=BF16, rngs=nnx.Rngs(0))  # N = 40
+    with pytest.raises(ValueError, match="K=32, N=40"):
+        convert(layer, Policy(default=nv.NVFP4))
+
+
+# ---------------------------------------------------------------------- qwix
+
+
+class LinenExperts(nn.Module):
+    """An MoE projection as MaxText writes one: a [E, K, N] param and
+    jax.lax.ragged_dot over rows sorted by expert."""
+
+    @nn.compact
+    def __call__(self, x, sizes):
+        w = self.param("wi", nn.initializers.normal(0.1), (E, D, F), BF16)
+        return jax.lax.ragged_dot(x, w, sizes)
+
+
+class LinenMoE(nn.Module):
+    @nn.compact
+    def __call__(self, x, sizes):
+        return LinenExperts(name="experts")(x, sizes)
+
+
+def test_qwix_runs_matched_ragged_dot_as_jax_nvfp4_ragged_dot():
+    qwix = pytest.importorskip("qwix")
+    from jax_nvfp4.qwix import NvFp4Provider, NvFp4Rule
+
+    model = LinenMoE()
+    x, sizes = _rows(7)
+    params = model.init(jax.random.key(0), x, sizes)
+    w = params["params"]["experts"]["wi"]
+    provider = NvFp4Provider([NvFp4Rule(module_path=".*experts.*")])
+    qmodel = qwix.quantize_model(model, provider)
+    got = qmodel.apply(params, x, sizes, rngs={"nvfp4": jax.random.key(1)})
+    _assert_equal(got, nv.ragged_dot(x, w, sizes, key=jax.random.key(1)))
+    # An unmatched module runs jax.lax.ragged_dot, bit for bit.
+    other = NvFp4Provider([NvFp4Rule(module_path=".*router.*")])
+    plain = qwix.quantize_model(model, other).apply(params, x, sizes)
+    _assert_equal(plain, jax.lax.ragged_dot(x, w, sizes))
+
+
+def test_qwix_ragged_dot_trains():
+    qwix = pytest.importorskip("qwix")
+    from jax_nvfp4.qwix import NvFp4Provider, NvFp4Rule
+
+    model = LinenMoE()
+    x, sizes = _rows(8)
+    target = jax.random.normal(jax.random.key(9), (x.shape[0], F), BF16)
+    params = model.init(jax.random.key(0), x, sizes)
+    qmodel = qwix.quantize_model(model, NvFp4Provider([NvFp4Rule(module_path=".*")]))
+
+    @jax.jit
+    def step(params, key):
+        def loss(p):
+            y = qmodel.apply(p, x, sizes, rngs={"nvfp4": key})
+            return jnp.mean((y.astype(jnp.float32) - target) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return jax.tree.map(
+            lambda p, g: p - 0.5 * g.astype(p.dtype), params, grads
+        ), value
+
+    losses = []
+    for i in range(6):
+        params, value = step(params, jax.random.key(i))
+        losses.append(float(value))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+# ------------------------------------------------------------------ example
+
+
+def test_llama_flax_moe_example_trains(tmp_path):
+    """examples/llama_flax.py --experts 4: top-2 routed SwiGLU experts in
+    scanned blocks, their projections in NVFP4 through the policy (router
+    and the bf16 tail block excluded); the loss falls."""
+    path = pathlib.Path(__file__).parents[1] / "examples" / "llama_flax.py"
+    spec = importlib.util.spec_from_file_location("llama_flax_moe", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    records = example.main(
+        [
+            "--steps", "8", "--layers", "2", "--d-model", "32", "--heads", "2",
+            "--ffn", "48", "--experts", "4", "--batch", "4", "--seq-len", "32",
+            "--log-every", "1", "--eval-every", "100", "--out", str(tmp_path),
+            "--no-plot",
+        ]
+    )  # fmt: skip
+    losses = [float(r["loss"]) for r in records]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
