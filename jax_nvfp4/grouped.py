@@ -228,6 +228,39 @@ def _alpha(a_amax, b_amax):
 _UNIT_AMAX = np.full((1,), SCALE_RANGE, np.float32)
 
 
+def _in_order_sums(a, b):
+    """sum_k a[m, k] * b[n, k] for float32 a [m, L], b [n, L] (exact
+    products), added in order k = 0, 1, ... from +0 in one float32
+    accumulator: the CPU handler's sums in pure JAX, where an XLA dot may
+    add in another order. One fused pass over the accumulator per 16 k."""
+    m, length = a.shape
+    blocks = (length // BLOCK_SIZE, BLOCK_SIZE)
+    a = jnp.moveaxis(a.reshape(m, *blocks), 1, 0)
+    b = jnp.moveaxis(b.reshape(b.shape[0], *blocks), 1, 0)
+
+    def add_block(acc, block):
+        a16, b16 = block
+        for j in range(BLOCK_SIZE):
+            acc = acc + a16[:, j, None] * b16[None, :, j]
+        return acc, None
+
+    acc = jnp.zeros((m, b.shape[1]), jnp.float32)
+    return lax.scan(add_block, acc, (a, b))[0]
+
+
+def _sums(implementation, a_values, a_scales, b_values, b_scales):
+    """Unscaled in-order float32 sums [m, n] of a [1, m, L] and b [1, n, L]
+    (stored operands): the CPU handler, or its pure-JAX twin."""
+    if implementation == "ffi":
+        unit = jnp.asarray(_UNIT_AMAX)
+        return ops.matmul(
+            a_values, a_scales, unit, b_values, b_scales, unit, dtype=jnp.float32
+        )[0]
+    a = reference.operand_bf16(a_values, a_scales)[0].astype(jnp.float32)
+    b = reference.operand_bf16(b_values, b_scales)[0].astype(jnp.float32)
+    return _in_order_sums(a, b)
+
+
 def _ragged_numbers(lhs_contracting, rhs_contracting, rhs_group):
     return lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((lhs_contracting,), (rhs_contracting,)), ((), ())),
@@ -249,21 +282,20 @@ def _rows_gemm(a: _Operand, b: _Operand, groups, recipe, ragged, out_dtype):
             preferred_element_type=jnp.float32,
         )
     else:
-        impl = implementation_ops(recipe.implementation)
-        unit = jnp.asarray(_UNIT_AMAX)
         row_group = jnp.repeat(groups.item_group, BLOCK_SIZE)
 
         def one_group(g, acc):
-            b_values = lax.dynamic_index_in_dim(b.values, g, keepdims=True)
-            b_scales = lax.dynamic_index_in_dim(b.scales, g, keepdims=True)
-            sums = impl.matmul(
-                a.values, a.scales, unit, b_values, b_scales, unit, dtype=jnp.float32
-            )[0]
+            sums = _sums(
+                recipe.implementation,
+                a.values,
+                a.scales,
+                lax.dynamic_index_in_dim(b.values, g),
+                lax.dynamic_index_in_dim(b.scales, g),
+            )
             return jnp.where((row_group == g)[:, None], sums, acc)
 
-        acc = lax.fori_loop(
-            0, count, one_group, jnp.zeros((groups.buffer_rows, n), jnp.float32)
-        )
+        acc = jnp.zeros((groups.buffer_rows, n), jnp.float32)
+        acc = lax.fori_loop(0, count, one_group, acc)
     alpha = _per_item(_alpha(a.amax, b.amax), groups.row_group)
     return (_from_buffer(acc, groups) * alpha[:, None]).astype(out_dtype)
 
@@ -286,8 +318,6 @@ def _tokens_gemm(a: _Operand, b: _Operand, groups, recipe, ragged, out_dtype):
             preferred_element_type=jnp.float32,
         )
     else:
-        impl = implementation_ops(recipe.implementation)
-        unit = jnp.asarray(_UNIT_AMAX)
 
         def stored(t):  # [items, F, l] -> [1, F, items * l]: tokens last
             return jnp.swapaxes(t, 0, 1).reshape(1, t.shape[1], -1)
@@ -297,23 +327,22 @@ def _tokens_gemm(a: _Operand, b: _Operand, groups, recipe, ragged, out_dtype):
         code_bytes = a.values.shape[-1]
 
         def one_group(g):
-            # Other groups' blocks become zero codes and scales (both
-            # operands, so that their NaN blocks add nothing).
+            # Other groups' blocks become zero codes and scales, in both
+            # operands so that their NaN blocks add nothing; zeros leave an
+            # in-order sum from +0 unchanged.
             block = groups.item_group == g
             byte = jnp.repeat(block, code_bytes)
 
             def mask(t, keep):
                 return jnp.where(keep, t, jnp.zeros((), t.dtype))
 
-            return impl.matmul(
+            return _sums(
+                recipe.implementation,
                 mask(a_values, byte),
                 mask(a_scales, block),
-                unit,
                 mask(b_values, byte),
                 mask(b_scales, block),
-                unit,
-                dtype=jnp.float32,
-            )[0]
+            )
 
         acc = lax.map(one_group, jnp.arange(count, dtype=jnp.int32))
     alpha = _alpha(a.amax, b.amax)
