@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_routing  # noqa: E402
 import train_common  # noqa: E402
 
 import jax_nvfp4.equinox as nveqx  # noqa: E402
@@ -142,18 +143,51 @@ class Mlp(eqx.Module):
         return _per_position(self.down_proj, jax.nn.silu(gate) * up, kd)
 
 
+class MoE(eqx.Module):
+    """SwiGLU experts: each position routed to its top_k of the experts (the
+    router in fp32), the projections ``jax_nvfp4.equinox.Experts`` over the
+    rows sorted by expert (one example's rows: its own groups)."""
+
+    router: eqx.nn.Linear
+    gate_proj: nveqx.Experts
+    up_proj: nveqx.Experts
+    down_proj: nveqx.Experts
+    top_k: int = eqx.field(static=True)
+
+    def __init__(self, d: int, ffn: int, experts: int, *, top_k: int, key):
+        kr, kg, ku, kd = jax.random.split(key, 4)
+        self.router = eqx.nn.Linear(d, experts, use_bias=False, key=kr)
+        self.gate_proj = nveqx.Experts(experts, d, ffn, key=kg)
+        self.up_proj = nveqx.Experts(experts, d, ffn, key=ku)
+        self.down_proj = nveqx.Experts(experts, ffn, d, key=kd)
+        self.top_k = top_k
+
+    def __call__(self, x, *, key=None):
+        kg, ku, kd = _split(key, 3)
+        logits = jax.vmap(self.router)(x.astype(jnp.float32))
+        rows, sizes, order, weights = moe_routing.route(x, logits, self.top_k)
+        h = jax.nn.silu(self.gate_proj(rows, sizes, key=kg))
+        h = h * self.up_proj(rows, sizes, key=ku)
+        return moe_routing.combine(self.down_proj(h, sizes, key=kd), order, weights)
+
+
 class Block(eqx.Module):
     attn_norm: RMSNorm
     attn: Attention
     mlp_norm: RMSNorm
-    mlp: Mlp
+    mlp: Mlp | MoE
 
-    def __init__(self, d: int, heads: int, ffn: int, *, attention=None, key):
+    def __init__(
+        self, d: int, heads: int, ffn: int, *, attention=None, experts=0, top_k=2, key
+    ):
         ka, km = jax.random.split(key)
         self.attn_norm = RMSNorm(d)
         self.attn = Attention(d, heads, implementation=attention, key=ka)
         self.mlp_norm = RMSNorm(d)
-        self.mlp = Mlp(d, ffn, key=km)
+        if experts:
+            self.mlp = MoE(d, ffn, experts, top_k=top_k, key=km)
+        else:
+            self.mlp = Mlp(d, ffn, key=km)
 
     def __call__(self, x, cos, sin, *, key=None):
         ka, km = _split(key, 2)
@@ -171,7 +205,8 @@ REMAT_POLICIES = {
 
 
 class Llama(eqx.Module):
-    """Token ids [S] -> logits [S, 256] (fp32), one example.
+    """Token ids [S] -> logits [S, 256] (fp32), one example. ``experts`` > 0
+    makes each block's MLP a mixture of SwiGLU experts (``MoE``).
 
     ``tail_layers`` > 0 makes the last blocks a second stack (``tail``,
     scanned after ``layers``), so that a policy can keep them in bf16 by path
@@ -198,6 +233,8 @@ class Llama(eqx.Module):
         attention=None,
         remat="fp4",
         tail_layers=0,
+        experts=0,
+        top_k=2,
         key,
     ):
         if remat not in REMAT_POLICIES:
@@ -211,7 +248,15 @@ class Llama(eqx.Module):
         self.embed = eqx.nn.Embedding(weight=weight)
 
         def block(k):
-            return Block(d_model, heads, ffn, attention=attention, key=k)
+            return Block(
+                d_model,
+                heads,
+                ffn,
+                attention=attention,
+                experts=experts,
+                top_k=top_k,
+                key=k,
+            )
 
         keys = jax.random.split(kl, layers)
         head = layers - tail_layers
@@ -283,6 +328,8 @@ def build(args: argparse.Namespace):
         attention=None if args.attention == "xla" else args.attention,
         remat=args.remat,
         tail_layers=tail,
+        experts=args.experts,
+        top_k=args.top_k,
         key=jax.random.key(args.seed),
     )
     recipe = train_common.PRECISIONS[args.precision]
@@ -331,6 +378,14 @@ def main(argv=None) -> list[dict]:
         "layers' FP4 residuals (jax_nvfp4.save_fp4_residuals), dots = every matmul "
         "output, full = nothing, none = no remat",
     )
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="MoE: SwiGLU experts per block (0: a dense MLP); the policy puts "
+        "the expert projections in NVFP4 like the MLP's, the router stays bf16",
+    )
+    parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
     parser.add_argument(
         "--plot",
         action=argparse.BooleanOptionalAction,

@@ -25,12 +25,13 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from jax_nvfp4 import grouped
 from jax_nvfp4.ops import sharding
 from jax_nvfp4.ops.primitive import with_varying
 from jax_nvfp4.projection import dot_general
 from jax_nvfp4.recipe import Recipe, _explicit_sharding
 
-__all__ = ["folded_dot", "trace_classes"]
+__all__ = ["folded_dot", "folded_ragged_dot", "trace_classes"]
 
 
 def trace_classes():
@@ -152,3 +153,118 @@ def _define_fold() -> Primitive | None:
 
 
 _fold_p = _define_fold()
+
+
+# ------------------------------------------------------ expert projections
+
+
+def _plain_ragged_dot(recipe: Recipe | None, x, w, group_sizes, kd):
+    """x [T, K] rows sorted by group . w [G, K, N]: ``lax.ragged_dot`` (bf16,
+    ``recipe`` None) or ``jax_nvfp4.ragged_dot``."""
+    if recipe is None:
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    key = kd if recipe.needs_key else None
+    return grouped.ragged_dot(x, w, group_sizes, key=key, recipe=recipe)
+
+
+def folded_ragged_dot(recipe: Recipe | None, x, w, group_sizes, kd):
+    """``ragged_dot(x, w, group_sizes)`` with every enclosing ``vmap`` folded:
+    the mapped examples' rows are merged, sorted by group across the batch,
+    into one ragged product (one GEMM per group over the whole batch, one
+    amax per group), and sorted back. (``lax.ragged_dot`` has no batching
+    rule for per-example group sizes: unfolded, a vmap of it fails.)
+
+    x [T, K], w [G, K, N] (same dtype), group_sizes int [G], kd uint32[2].
+    """
+    if (
+        _ragged_fold_p is not None
+        and _vmap_encloses()
+        and _explicit_sharding(x) is None
+        and _explicit_sharding(w) is None
+    ):
+        return _ragged_fold_p.bind(x, w, group_sizes, kd, recipe=recipe)
+    return _plain_ragged_dot(recipe, x, w, group_sizes, kd)
+
+
+def _ragged_fold_abstract(x, w, group_sizes, kd, *, recipe):
+    out = jax.core.ShapedArray((x.shape[0], w.shape[-1]), x.dtype)
+    return with_varying(out, (x, w, group_sizes, kd))
+
+
+def _ragged_fold_rule(args, dims, *, recipe):
+    """The vmap of the ragged fold: each example's rows get their group's
+    place among all examples' rows (group-major, then example), one ragged
+    product runs over them, and the result goes back to each example."""
+    x, w, sizes, kd = args
+    x_dim, w_dim, s_dim, kd_dim = dims
+    if kd_dim is not None:
+        kd = jnp.take(kd, 0, axis=kd_dim)  # one product over the batch: one key
+    if w_dim is not None:
+        # A weight per example (an ensemble): one product per example, in turn.
+        size = x.shape[x_dim] if x_dim is not None else w.shape[w_dim]
+        x, w, sizes = (
+            jnp.broadcast_to(a, (size, *a.shape))
+            if d is None
+            else jnp.moveaxis(a, d, 0)
+            for a, d in ((x, x_dim), (w, w_dim), (sizes, s_dim))
+        )
+        plain = functools.partial(_plain_ragged_dot, recipe, kd=kd)
+        return jax.lax.map(lambda a: plain(*a), (x, w, sizes)), 0
+    size = x.shape[x_dim] if x_dim is not None else sizes.shape[s_dim]
+    x = (
+        jnp.broadcast_to(x, (size, *x.shape))
+        if x_dim is None
+        else jnp.moveaxis(x, x_dim, 0)
+    )
+    sizes = (
+        jnp.broadcast_to(sizes, (size, *sizes.shape))
+        if s_dim is None
+        else jnp.moveaxis(sizes, s_dim, 0)
+    )
+    batch, rows, k = x.shape
+    # Each row's group (groups: past its example's sizes), then its place.
+    ends = jnp.cumsum(sizes, axis=-1)
+    group = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(rows), side="right"))(
+        ends
+    )
+    rank = group * batch + jnp.arange(batch, dtype=group.dtype)[:, None]
+    order = jnp.argsort(rank.reshape(-1), stable=True)
+    merged = x.reshape(batch * rows, k)[order]
+    total = jnp.sum(sizes, axis=0).astype(sizes.dtype)
+    y = folded_ragged_dot(recipe, merged, w, total, kd)
+    back = jnp.zeros_like(y).at[order].set(y)
+    return back.reshape(batch, rows, y.shape[-1]), 0
+
+
+def _ragged_fold_jvp(primals, tangents, *, recipe):
+    """Differentiated before a vmap batched it: the plain product's
+    derivative (through ``jax.linearize``, as ``_fold_jvp``)."""
+    x, w, sizes, kd = primals
+    dx, dw = (ad.instantiate_zeros(t) for t in tangents[:2])
+    y, linear = jax.linearize(
+        lambda x, w: _plain_ragged_dot(recipe, x, w, sizes, kd), x, w
+    )
+    return y, linear(dx, dw)
+
+
+def _ragged_fold_impl(x, w, group_sizes, kd, *, recipe):
+    return _plain_ragged_dot(recipe, x, w, group_sizes, kd)
+
+
+def _define_ragged_fold() -> Primitive | None:
+    try:
+        prim = Primitive("nvfp4_equinox_ragged_fold")
+        prim.def_impl(_ragged_fold_impl)
+        prim.def_abstract_eval(_ragged_fold_abstract)
+        batching.primitive_batchers[prim] = _ragged_fold_rule
+        ad.primitive_jvps[prim] = _ragged_fold_jvp
+        mlir.register_lowering(
+            prim, mlir.lower_fun(_ragged_fold_impl, multiple_results=False)
+        )
+        sharding.needs_devices_during_lowering(prim)
+    except (AttributeError, TypeError):  # pragma: no cover - other JAX versions
+        return None
+    return prim
+
+
+_ragged_fold_p = _define_ragged_fold()

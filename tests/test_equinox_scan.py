@@ -13,6 +13,8 @@ import pytest
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import equinox as nveqx
+from jax_nvfp4.equinox import conversion as eqx_conversion
+from jax_nvfp4.equinox import linear as eqx_linear
 from jax_nvfp4.policy import transformer_policy
 
 D, F = 32, 48  # model width and hidden width (multiples of 16, distinct)
@@ -135,8 +137,8 @@ def _weights(tree):
     in another order than over the flat tokens: not compared bit for bit)."""
     return [
         leaf.weight
-        for leaf in jax.tree.leaves(tree, is_leaf=nveqx._is_linear)
-        if nveqx._is_linear(leaf)
+        for leaf in jax.tree.leaves(tree, is_leaf=eqx_conversion._is_linear)
+        if eqx_conversion._is_linear(leaf)
     ]
 
 
@@ -273,7 +275,7 @@ def test_convert_stacked_layers_with_keep_last():
             if i < L - 1:  # the NVFP4 Linear on its own
                 layer = nveqx.Linear.from_linear(layer, nv.NVFP4)
             else:  # eqx.nn.Linear, as in the unconverted model
-                layer = nveqx._to_eqx_linear(layer)
+                layer = eqx_linear._to_eqx_linear(layer)
             outs.append(jax.vmap(lambda v, m=layer: m(v, key=KEY))(h))
         return jnp.stack(outs)
 

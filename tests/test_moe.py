@@ -224,3 +224,140 @@ def test_llama_flax_moe_example_trains(tmp_path):
     )  # fmt: skip
     losses = [float(r["loss"]) for r in records]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+# ------------------------------------------------------------------ Equinox
+
+
+def test_equinox_experts_convert_by_path_and_equal_ragged_dot():
+    import equinox as eqx
+
+    import jax_nvfp4.equinox as nveqx
+
+    class EqxBlock(eqx.Module):
+        router: eqx.nn.Linear
+        experts: nveqx.Experts
+
+        def __init__(self, key):
+            kr, ke = jax.random.split(key)
+            self.router = eqx.nn.Linear(D, E, use_bias=False, key=kr)
+            self.experts = nveqx.Experts(E, D, F, key=ke)
+
+    block = EqxBlock(jax.random.key(0))
+    x, sizes = _rows(10)
+    w = block.experts.weight.astype(BF16)
+    _assert_equal(block.experts(x, sizes), jax.lax.ragged_dot(x, w, sizes))
+    policy = transformer_policy(
+        1, keep_last=0, nvfp4_patterns=("*experts*",), recipe=nv.NVFP4_NO_SR
+    )
+    converted = nveqx.convert(block, policy)
+    assert converted.experts.recipe == nv.NVFP4_NO_SR
+    assert type(converted.router) is eqx.nn.Linear
+    assert converted.experts.weight is block.experts.weight
+    g = jax.random.normal(jax.random.key(11), (x.shape[0], F), BF16)
+
+    def via_layer(experts, x):
+        return jnp.sum(experts(x, sizes).astype(jnp.float32) * g)
+
+    def direct(w, x):
+        y = nv.ragged_dot(x, w.astype(BF16), sizes, recipe=nv.NVFP4_NO_SR)
+        return jnp.sum(y.astype(jnp.float32) * g)
+
+    got = eqx.filter_value_and_grad(via_layer)(converted.experts, x)
+    want = jax.value_and_grad(direct)(block.experts.weight, x)
+    _assert_equal((got[0], got[1].weight), want)
+    # Converting back with a policy that keeps them in bf16.
+    back = nveqx.convert(converted, Policy(default=None))
+    assert back.experts.recipe is None
+
+
+def test_equinox_experts_need_a_key_for_stochastic_rounding():
+    import equinox as eqx
+
+    import jax_nvfp4.equinox as nveqx
+
+    experts = nveqx.Experts(E, D, F, recipe=nv.NVFP4, key=jax.random.key(0))
+    x, sizes = _rows(12)
+    with pytest.raises(ValueError, match="Experts's recipe uses stochastic"):
+        experts(x, sizes)
+    eqx.nn.inference_mode(experts)(x, sizes)  # evaluation: a fixed key
+
+    def loss(m, k):
+        return jnp.sum(m(x, sizes, key=k).astype(jnp.float32))
+
+    grads = [
+        eqx.filter_grad(loss)(experts, k).weight
+        for k in (jax.random.key(1), jax.random.key(2))
+    ]
+    assert not np.array_equal(grads[0], grads[1])
+
+
+def test_llama_equinox_moe_example_trains(tmp_path):
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "llama_equinox.py"
+    spec = importlib.util.spec_from_file_location("llama_equinox", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("llama_equinox", example)
+    spec.loader.exec_module(sys.modules["llama_equinox"])
+    example = sys.modules["llama_equinox"]
+    records = example.main(
+        [
+            "--steps", "8", "--layers", "2", "--d-model", "32", "--heads", "2",
+            "--ffn", "48", "--experts", "4", "--batch", "4", "--seq-len", "32",
+            "--log-every", "1", "--eval-every", "100", "--out", str(tmp_path),
+            "--no-plot",
+        ]
+    )  # fmt: skip
+    losses = [float(r["loss"]) for r in records]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def _merged(x, sizes):
+    """Rows of every example sorted by group, group-major then example: what
+    the Equinox fold hands to one ragged product; and the way back."""
+    batch, rows, _ = x.shape
+    ends = jnp.cumsum(sizes, axis=-1)
+    group = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(rows), side="right"))(
+        ends
+    )
+    order = jnp.argsort((group * batch + jnp.arange(batch)[:, None]).reshape(-1))
+    merged = x.reshape(batch * rows, -1)[order]
+
+    def back(y):
+        return jnp.zeros_like(y).at[order].set(y).reshape(batch, rows, -1)
+
+    return merged, jnp.sum(sizes, axis=0), back
+
+
+def test_equinox_experts_fold_the_batch_into_one_ragged_product():
+    """Under vmap (per-example routing) the examples' rows of each expert
+    form one group: bf16 equals each example's lax.ragged_dot; NVFP4 equals
+    one jax_nvfp4.ragged_dot over the merged rows, forward and gradients."""
+    import equinox as eqx
+
+    import jax_nvfp4.equinox as nveqx
+
+    x = jax.random.normal(jax.random.key(20), (3, 24, D), BF16)
+    sizes = jnp.array([[8, 0, 10, 6], [24, 0, 0, 0], [1, 5, 9, 9]], jnp.int32)
+    experts = nveqx.Experts(E, D, F, key=jax.random.key(21))
+    w = experts.weight.astype(BF16)
+    got = jax.vmap(experts)(x, sizes)
+    for b in range(3):
+        _assert_equal(got[b], jax.lax.ragged_dot(x[b], w, sizes[b]))
+
+    experts = experts.with_recipe(nv.NVFP4_NO_SR)
+    g = jax.random.normal(jax.random.key(22), (3, 24, F), BF16)
+
+    def via_layer(experts, x):
+        y = jax.vmap(experts)(x, sizes)
+        return jnp.sum(y.astype(jnp.float32) * g)
+
+    def direct(w, x):
+        merged, total, back = _merged(x, sizes)
+        y = back(nv.ragged_dot(merged, w.astype(BF16), total, recipe=nv.NVFP4_NO_SR))
+        return jnp.sum(y.astype(jnp.float32) * g)
+
+    value, grads = eqx.filter_value_and_grad(via_layer)(experts, x)
+    want = jax.value_and_grad(direct)(experts.weight, x)
+    _assert_equal((value, grads.weight), want)
