@@ -475,6 +475,8 @@ def _check_operands(x, w, group_sizes, recipe):
             "ragged_dot takes x [T, K] (rows sorted by group) and w [G, K, N]; got "
             f"shapes {x.shape} and {w.shape} (fold x's leading axes into T first)"
         )
+    if w.shape[0] == 0:
+        raise ValueError("w [G, K, N] has no group (G = 0); pass at least one")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"x has K={x.shape[1]} features but w is {w.shape} [G, K, N]")
     if x.dtype != w.dtype:
@@ -505,8 +507,11 @@ def _check_operands(x, w, group_sizes, recipe):
             f"group_sizes must have shape ({w.shape[0]},), one row count per group "
             f"of w {w.shape}; got shape {group_sizes.shape}"
         )
-    if not isinstance(group_sizes, jax.core.Tracer):  # concrete: checkable
+    try:  # concrete sizes can be checked; traced ones cannot
         sizes = np.asarray(group_sizes).astype(np.int64)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        sizes = None
+    if sizes is not None:
         if (sizes < 0).any() or sizes.sum() != x.shape[0]:
             raise ValueError(
                 f"group_sizes {sizes.tolist()} must be non-negative and sum to the "

@@ -92,6 +92,24 @@ def test_matches_per_group_loop(case, dtype):
             assert not np.any(np.asarray(got[2][g], np.float32))
 
 
+def test_non_finite_stays_in_its_group():
+    """A NaN or inf poisons what the per-group loop's does (the same NaNs),
+    never another group's outputs."""
+    sizes = SIZES["unbalanced"]
+    x, w, dy = _operands(sizes, jnp.float32, seed=18)
+    x = x.at[25, 7].set(jnp.nan)  # group 2
+    dy = dy.at[60, 3].set(jnp.inf)  # group 3
+    w = w.at[0, 3, 5].set(jnp.nan)
+    got = _ragged_step(nv.NVFP4_NO_SR)(x, w, sizes, dy)
+    _assert_equal(got, _loop_step(nv.NVFP4_NO_SR, sizes)(x, w, dy))
+    y, dx, dw = (np.asarray(a) for a in got)
+    assert np.isnan(y[25]).all() and np.isfinite(np.delete(y, 25, 0)[20:]).all()
+    assert np.isnan(dw[2][7]).all() and np.isfinite(np.delete(dw[2], 7, 0)).all()
+    assert np.isnan(dw[3][:, 3]).all() and np.isfinite(np.delete(dw[3], 3, 1)).all()
+    # dY's inf reaches its row of dx; w[0]'s NaN tile group 0's rows alone.
+    assert np.isnan(dx[60]).all() and np.isfinite(np.delete(dx, 60, 0)[20:]).all()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_ragged_gemm_path(dtype, monkeypatch):
     """The GPUs' path (one ragged_dot_general on the decoded bfloat16
