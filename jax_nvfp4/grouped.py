@@ -26,7 +26,8 @@ operands (exact products, float32 accumulation). On the CPU it is the matmul
 primitive once per group over all rows (other groups' tokens masked), so that
 every sum is the CPU handler's in-order sum and results equal a loop of
 ``jax_nvfp4.dot`` over the groups bit for bit -- G times the work, which the
-CPU, the exact reference, can afford.
+CPU, the exact reference, can afford. The pure-JAX implementation adds in the
+same order (not with an XLA dot), so it gives the handlers' bits.
 
 Stochastic bits: dY's rows follow the element index in the token buffer
 (stream 0), its token-axis copy the items' stored layout [items, N, 16]

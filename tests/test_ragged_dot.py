@@ -281,6 +281,24 @@ def test_bad_dtypes_and_options():
         nv.ragged_dot(x, w, sizes, group_offset=jnp.array([0]))
 
 
+def test_remat_keeps_fp4_residuals():
+    """Under jax.checkpoint with save_fp4_residuals the gradients are the
+    same (the residuals carry the recipe's checkpoint names)."""
+    sizes = SIZES["unbalanced"]
+    x, w, dy = _operands(sizes, jnp.bfloat16, seed=21)
+    s = jnp.asarray(sizes, jnp.int32)
+
+    def loss(x, w):
+        y = nv.ragged_dot(x, w, s, recipe=nv.NVFP4_NO_SR)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+    remat = jax.checkpoint(loss, policy=nv.save_fp4_residuals)
+    want = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+    got = jax.jit(jax.grad(remat, (0, 1)))(x, w)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_moe_training_loss_falls():
     """A router-free mixture of experts (fixed group sizes): two ragged
     NVFP4 layers with a nonlinearity, trained by SGD toward a random
