@@ -245,8 +245,10 @@ def _in_order_sums(a, b):
             acc = acc + a16[:, j, None] * b16[None, :, j]
         return acc, None
 
-    acc = jnp.zeros((m, b.shape[1]), jnp.float32)
-    return lax.scan(add_block, acc, (a, b))[0]
+    # The first block outside the scan: its accumulator then carries the
+    # operands' shard_map variance (a constant zero carry would not).
+    acc = add_block(jnp.zeros((m, b.shape[1]), jnp.float32), (a[0], b[0]))[0]
+    return lax.scan(add_block, acc, (a[1:], b[1:]))[0]
 
 
 def _sums(implementation, a_values, a_scales, b_values, b_scales):
@@ -295,8 +297,10 @@ def _rows_gemm(a: _Operand, b: _Operand, groups, recipe, ragged, out_dtype):
             )
             return jnp.where((row_group == g)[:, None], sums, acc)
 
-        acc = jnp.zeros((groups.buffer_rows, n), jnp.float32)
-        acc = lax.fori_loop(0, count, one_group, acc)
+        # Group 0 outside the loop: the carry then has the operands' variance
+        # inside shard_map (a constant zero carry would not).
+        acc = one_group(0, jnp.zeros((groups.buffer_rows, n), jnp.float32))
+        acc = lax.fori_loop(1, count, one_group, acc)
     alpha = _per_item(_alpha(a.amax, b.amax), groups.row_group)
     return (_from_buffer(acc, groups) * alpha[:, None]).astype(out_dtype)
 
@@ -513,11 +517,13 @@ def _check_operands(x, w, group_sizes, recipe):
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         sizes = None
     if sizes is not None:
-        if (sizes < 0).any() or sizes.sum() != x.shape[0]:
+        # A sum below T is lax.ragged_dot's padding (e.g. a capacity buffer
+        # of expert parallelism): the rows past it give zeros.
+        if (sizes < 0).any() or sizes.sum() > x.shape[0]:
             raise ValueError(
-                f"group_sizes {sizes.tolist()} must be non-negative and sum to the "
-                f"{x.shape[0]} rows of x: the rows of x are sorted by group, group "
-                "g's rows following group g-1's"
+                f"group_sizes {sizes.tolist()} must be non-negative and sum to at "
+                f"most the {x.shape[0]} rows of x: the rows of x are sorted by "
+                "group, group g's rows following group g-1's"
             )
     return x, w, jnp.asarray(group_sizes, jnp.int32)
 
@@ -540,11 +546,11 @@ def ragged_dot(
     Args:
       x: [T, K] rows sorted by group (float32, bfloat16 or float16).
       w: [G, K, N] one weight per group, x's dtype; K and N multiples of 16.
-      group_sizes: int [G], the rows of each group. When concrete they must
-        be non-negative and sum to T. Traced sizes (under ``jit``) are not
-        checked: rows past their sum give zeros in y and dx and add nothing
-        to dw (as in ``lax.ragged_dot``); negative sizes or a sum past T give
-        unspecified values.
+      group_sizes: int [G], the rows of each group, non-negative, summing to
+        at most T: rows past their sum give zeros in y and dx and add nothing
+        to dw (as in ``lax.ragged_dot``). Concrete sizes are checked; traced
+        ones (under ``jit``) cannot be, and negative sizes or a sum past T
+        then give unspecified values.
       precision: accepted and ignored (the GEMMs are NVFP4).
       preferred_element_type: the output dtype (default: x's dtype).
       group_offset: not supported (must be None).

@@ -263,7 +263,7 @@ def test_output_dtype_and_missing_key():
         (((48, K), (2, K, N), (40.0, 8.0)), TypeError, "integers"),
         (((48, K), (2, K, N), (40, 4, 4)), ValueError, r"shape \(2,\)"),
         (((48, K), (2, K, N), (50, -2)), ValueError, "non-negative and sum"),
-        (((48, K), (2, K, N), (40, 4)), ValueError, "sorted by group"),
+        (((48, K), (2, K, N), (40, 16)), ValueError, "sorted by group"),
     ],
 )
 def test_bad_input(args, error, match):

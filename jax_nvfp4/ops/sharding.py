@@ -94,6 +94,11 @@ class Layout:
             if dim.factor is None:
                 fresh[0] += 1
                 return f"z{fresh[0]}"
+            if dim.per_unit > 1 and self.sizes.get(dim.factor) == 1:
+                # One unit (a single block) cannot be split, and Shardy
+                # refuses a compound factor of size 1: never sharded.
+                fresh[0] += 1
+                return f"z{fresh[0]}"
             used.add(dim.factor)
             if dim.per_unit == 1:
                 alone.add(dim.factor)
