@@ -361,3 +361,41 @@ def test_equinox_experts_fold_the_batch_into_one_ragged_product():
     value, grads = eqx.filter_value_and_grad(via_layer)(experts, x)
     want = jax.value_and_grad(direct)(experts.weight, x)
     _assert_equal((value, grads.weight), want)
+
+
+def test_ragged_dot_under_vmap_is_per_example():
+    """vmap of jax_nvfp4.ragged_dot (not folded): each example its own groups
+    and amaxes, equal to calling it on each example."""
+    x = jax.random.normal(jax.random.key(30), (3, 40, D), BF16)
+    w = jax.random.normal(jax.random.key(31), (E, D, F), BF16)
+    sizes = jnp.array([[10, 10, 10, 10], [40, 0, 0, 0], [5, 15, 20, 0]], jnp.int32)
+    key = jax.random.key(32)
+
+    def f(x, s):
+        return nv.ragged_dot(x, w, s, key=key)
+
+    batched = jax.vmap(f)(x, sizes)
+    for b in range(3):
+        _assert_equal(batched[b], f(x[b], sizes[b]))
+
+
+def test_ragged_dot_training_step_exports():
+    """jax.export of a step's weight gradient round-trips with the same bits."""
+    from jax import export
+
+    x, sizes = _rows(33, tokens=64)
+    sizes = jnp.array([20, 0, 30, 14], jnp.int32)
+    w = jax.random.normal(jax.random.key(34), (E, D, F), BF16)
+    key = jax.random.key(35)
+
+    def step(x, w, sizes, key):
+        def loss(w):
+            return jnp.sum(nv.ragged_dot(x, w, sizes, key=key).astype(jnp.float32))
+
+        return jax.grad(loss)(w)
+
+    exported = export.export(jax.jit(step), disabled_checks=nv.export_safety_checks())(
+        x, w, sizes, key
+    )
+    back = export.deserialize(exported.serialize())
+    _assert_equal(back.call(x, w, sizes, key), jax.jit(step)(x, w, sizes, key))
