@@ -94,9 +94,9 @@ def test_matches_per_group_loop(case, dtype):
 
 @pytest.mark.xfail(
     jax.default_backend() == "gpu",
-    reason="on an H200 the GPUs' path (XLA's ragged_dot_general) put NaNs of "
-    "y where the per-group loop has none: a NaN of one group's weight seems "
-    "to reach other groups' rows; not isolated",
+    reason="on GPUs XLA expands ragged_dot_general into a dense dot over "
+    "group-masked rows (RaggedDotRewriter), so a NaN in one group's weight "
+    "meets other groups' zeroed rows (seen on an H200)",
     strict=False,
 )
 def test_non_finite_stays_in_its_group():
