@@ -235,6 +235,8 @@ class NvFp4Provider(qwix.QtProvider):
 
         if rule is None or rule.weight_qtype is None or group_offset is not None:
             return unquantized()
+        if not _is_param(rhs):  # not a module's weight [G, K, N]
+            return unquantized()
         if (
             jnp.ndim(lhs) != 2
             or jnp.ndim(rhs) != 3

@@ -399,3 +399,27 @@ def test_ragged_dot_training_step_exports():
     )
     back = export.deserialize(exported.serialize())
     _assert_equal(back.call(x, w, sizes, key), jax.jit(step)(x, w, sizes, key))
+
+
+def test_qwix_nnx_ragged_dot_runs_nvfp4():
+    """An NNX module calling jax.lax.ragged_dot on its [E, K, N] param, as
+    MaxText's MoE does: qwix with an NvFp4Rule runs jax_nvfp4.ragged_dot."""
+    qwix = pytest.importorskip("qwix")
+    from jax_nvfp4.qwix import NvFp4Provider, NvFp4Rule, set_rngs
+
+    class NNXExperts(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.normal(0.1)
+            self.wi = nnx.Param(init(rngs.params(), (E, D, F), BF16))
+
+        def __call__(self, x, sizes):
+            return jax.lax.ragged_dot(x, self.wi[...], sizes)
+
+    x, sizes = _rows(40)
+    model = NNXExperts(nnx.Rngs(0))
+    w = model.wi[...]
+    rule = NvFp4Rule(module_path=".*", recipe=nv.NVFP4_NO_SR)
+    qmodel = qwix.quantize_model(model, NvFp4Provider([rule]), x, sizes)
+    set_rngs(qmodel, nnx.Rngs(nvfp4=1))
+    got = qmodel(x, sizes)
+    _assert_equal(got, nv.ragged_dot(x, w, sizes, recipe=nv.NVFP4_NO_SR))
