@@ -9,7 +9,7 @@ stochastic rounding. The work is done by XLA FFI custom calls on CPU and CUDA;
 selection by ``jax_nvfp4.policy``.
 """
 
-from jax_nvfp4 import policy, reference
+from jax_nvfp4 import checkpoint, policy, reference
 from jax_nvfp4.backends import export_safety_checks
 from jax_nvfp4.backends.library import available_platforms
 from jax_nvfp4.format import (
@@ -69,6 +69,7 @@ __all__ = [
     "matmul",
     "quantize",
     "quantize_rowwise_and_columnwise",
+    "checkpoint",
     "policy",
     "reference",
 ]

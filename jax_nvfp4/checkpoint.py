@@ -1,0 +1,653 @@
+"""Export to and import from NVIDIA ModelOpt's NVFP4 checkpoint format.
+
+The format (docs/DESIGN.md, "Serving format (export)") is what vLLM, SGLang and
+TensorRT-LLM load for ``quant_algo: NVFP4``. For each NVFP4 linear layer
+``<name>`` in PyTorch orientation ``[N=out, K=in]``:
+
+* ``<name>.weight``: uint8 ``[N, K/2]``, E2M1 codes packed along K, element
+  ``2j`` in the low nibble of byte ``j`` (our packing);
+* ``<name>.weight_scale``: float8_e4m3fn ``[N, K/16]``, one scale per 16
+  elements of a row, linear (not swizzled). A 16x16 weight tile stores its
+  scale repeated in each of its 16 rows, which is this layout: training's
+  16x16 weights export without loss;
+* ``<name>.weight_scale_2``: float32 scalar ``A_w / 2688``;
+* ``<name>.input_scale``: float32 scalar ``A_x / 2688`` (the activation amax
+  from training or from a calibration pass);
+
+the other tensors (norms, embeddings, linear layers left in bf16) under their
+own names, and a ``hf_quant_config.json`` naming the bf16 linear layers in
+``exclude_modules``. A serving engine dequantizes ``e2m1 * weight_scale *
+weight_scale_2`` and runs the GEMM with ``alpha = input_scale *
+weight_scale_2``; both quotients are those of our GEMM's alpha
+(``A / 2688``, correctly rounded), so it sees training's FP4 weight bytes and
+scales.
+
+Files: one ``model.safetensors`` (import also reads a sharded checkpoint
+through ``model.safetensors.index.json``) and ``hf_quant_config.json``. The
+safetensors reader and writer are a few lines of this module (no new
+dependency): an 8-byte little-endian header length, a JSON header
+``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``, then the
+tensors' little-endian bytes.
+
+``weight_scale_2 * 2688`` does not always give back the float32 amax it came
+from (``A / 2688`` rounds), while ``dequantize`` uses the amax itself. Export
+therefore also records each layer's exact amax, input amax and block kind in
+the safetensors metadata (``"jax_nvfp4"``, float hex strings), and import uses
+them when they agree with the scales: export -> import -> export gives
+byte-identical files and the same ``NVFP4Tensor``s. A checkpoint from another
+producer (no such metadata) imports with ``amax = weight_scale_2 * 2688``,
+which gives back the same ``weight_scale_2``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, NVFP4Tensor
+from jax_nvfp4.policy import Policy
+from jax_nvfp4.quantize import global_amax, quantize
+from jax_nvfp4.recipe import NVFP4, Recipe
+
+__all__ = [
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "CheckpointError",
+    "NVFP4Checkpoint",
+    "calibrate",
+    "export_nvfp4",
+    "import_nvfp4",
+]
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "hf_quant_config.json"
+METADATA_KEY = "jax_nvfp4"
+
+# The suffixes of the four tensors of an NVFP4 layer.
+_WEIGHT, _SCALE, _SCALE_2, _INPUT_SCALE = (
+    ".weight",
+    ".weight_scale",
+    ".weight_scale_2",
+    ".input_scale",
+)
+_TENSOR_SUFFIXES = (_WEIGHT, ".bias")
+
+_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is missing, malformed or not NVFP4."""
+
+
+class NVFP4Checkpoint(NamedTuple):
+    """What ``import_nvfp4`` reads.
+
+    Attributes:
+      quantized: ``{module name: NVFP4Tensor}`` of each NVFP4 linear layer, the
+        ``[N, K]`` weight quantized along K (``shape=(N, K)``, ``axis=1``).
+      tensors: ``{tensor name: numpy array}`` of every other tensor, in its
+        stored dtype (``"model.norm.weight"``, ``"lm_head.weight"``, ...).
+      config: the content of ``hf_quant_config.json``.
+      input_amax: ``{module name: float}``, the activation amax of each NVFP4
+        layer (``input_scale * 2688``, or the exact value export recorded).
+    """
+
+    quantized: dict[str, NVFP4Tensor]
+    tensors: dict[str, np.ndarray]
+    config: dict[str, Any]
+    input_amax: dict[str, float]
+
+
+# --------------------------------------------------------------------------
+# safetensors
+
+
+def _little_endian_bytes(array: np.ndarray) -> bytes:
+    array = np.ascontiguousarray(array)
+    if sys.byteorder != "little" and array.dtype.itemsize > 1:
+        array = array.byteswap()
+    return array.tobytes()
+
+
+def _write_safetensors(
+    path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]
+) -> None:
+    """Writes ``tensors`` as one safetensors file (atomically: a temporary file
+    renamed into place)."""
+    # Widest dtypes first, then by name: every tensor starts at a multiple of
+    # its item size (the header is padded to 8 bytes), as the reference writer
+    # lays them out, and the file depends only on its content.
+    order = sorted(tensors, key=lambda n: (-tensors[n].dtype.itemsize, n))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        array = tensors[name]
+        dtype = _DTYPE_NAMES.get(array.dtype)
+        if dtype is None:
+            raise TypeError(f"{name!r}: dtype {array.dtype} has no safetensors name")
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for name in order:
+                f.write(_little_endian_bytes(tensors[name]))
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Reads every tensor of a safetensors file and its ``__metadata__``."""
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise CheckpointError(
+            f"{path}: truncated ({len(data)} bytes; a safetensors file starts "
+            "with an 8-byte header length)"
+        )
+    (size,) = struct.unpack("<Q", data[:8])
+    if 8 + size > len(data):
+        raise CheckpointError(
+            f"{path}: truncated or not safetensors: the header length says "
+            f"{size} bytes, the file has {len(data) - 8} after it"
+        )
+    try:
+        header = json.loads(data[8 : 8 + size].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{path}: the safetensors header is not JSON ({e})"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: __metadata__ is not a JSON object")
+    body = memoryview(data)[8 + size :]
+    tensors = {}
+    for name, entry in header.items():
+        try:
+            dtype = _DTYPES[entry["dtype"]]
+            shape = tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+            if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry {entry!r} "
+                f"(dtype one of {sorted(_DTYPES)}, shape a list of ints, "
+                "data_offsets [begin, end])"
+            ) from None
+        if end > len(body):
+            raise CheckpointError(
+                f"{path}: truncated: tensor {name!r} ends at byte {end} of the "
+                f"data, which has {len(body)} bytes"
+            )
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has {end - begin} bytes, but "
+                f"{entry['dtype']} {list(shape)} needs "
+                f"{math.prod(shape) * dtype.itemsize}"
+            )
+        array = np.frombuffer(body[begin:end], dtype=dtype.newbyteorder("<"))
+        tensors[name] = array.astype(dtype).reshape(shape)
+    return tensors, metadata
+
+
+# --------------------------------------------------------------------------
+# export
+
+
+def _float32(value, what: str) -> np.float32:
+    """A finite, positive float32 scalar (an amax)."""
+    array = np.asarray(value)
+    if array.size != 1 or not np.issubdtype(array.dtype, np.floating):
+        raise ValueError(f"{what} must be a float scalar, got {value!r}")
+    out = np.float32(array.reshape(()))
+    if not (np.isfinite(out) and out > 0):
+        raise ValueError(f"{what} must be finite and positive, got {float(out)}")
+    return out
+
+
+def _scale_of(amax: np.float32) -> np.ndarray:
+    # A / 2688 correctly rounded in float32: the quotient of the GEMM's alpha
+    # (docs/DESIGN.md section 2); numpy divides float32 by IEEE rules.
+    return np.asarray(amax / np.float32(SCALE_RANGE), np.float32)
+
+
+def _names(key: str) -> tuple[str, str]:
+    """(module name, tensor name) of a ``weights`` key: a key ending in
+    ``.weight`` or ``.bias`` is a tensor name, any other a module name whose
+    tensor is ``<key>.weight``."""
+    if key.endswith(_WEIGHT):
+        return key[: -len(_WEIGHT)], key
+    if key.endswith(_TENSOR_SUFFIXES):
+        return key, key
+    return key, key + _WEIGHT
+
+
+def _check_nvfp4_tensor(name: str, t: NVFP4Tensor) -> None:
+    if t.decoded or t.rht or t.batch_ndim or t.ndim != 2 or t.axis != 1:
+        raise ValueError(
+            f"{name!r}: an NVFP4Tensor exports only as an [N, K] weight quantized "
+            f"along K (axis=1, no RHT, packed codes); got {t!r}"
+        )
+
+
+def export_nvfp4(
+    weights: Mapping[str, Any],
+    directory: str | os.PathLike,
+    *,
+    nvfp4: Policy | Iterable[str],
+    input_amax: Mapping[str, Any] | None = None,
+    recipe: Recipe = NVFP4,
+    dtype=None,
+) -> Path:
+    """Writes ``weights`` as a ModelOpt NVFP4 checkpoint in ``directory``.
+
+    Args:
+      weights: ``{name: array}`` in PyTorch / Hugging Face orientation (a
+        linear weight is ``[N=out, K=in]``). A key ending in ``.weight`` or
+        ``.bias`` is written under that name; any other key is a module name
+        (``"model.layers.0.mlp.up_proj"``) whose tensor is written as
+        ``<key>.weight``. An ``NVFP4Tensor`` value (``import_nvfp4``'s
+        ``quantized``) is written as it is, always in NVFP4.
+      directory: created if needed; receives ``model.safetensors`` and
+        ``hf_quant_config.json``.
+      nvfp4: the module names of the linear layers to write in NVFP4, or a
+        ``Policy`` asked about each 2-D ``.weight`` by its module name (its
+        recipe for that layer decides the block kind).
+      input_amax: ``{module name: activation amax}`` for every NVFP4 layer
+        (entries for other layers are ignored): recorded during training,
+        e.g. ``jax_nvfp4.global_amax(x)`` of the layer's input, or from
+        ``calibrate``.
+      recipe: the training recipe of the layers named in ``nvfp4`` (a set of
+        names). The weight is quantized as its FPROP quantizes it: 16x16 tiles
+        with ``weight_2d`` (else 1x16 blocks along K), nearest rounding, the
+        tensor's own amax, so the FP4 bytes are training's.
+      dtype: if given, the dtype of the other floating-point tensors (e.g.
+        ``jnp.bfloat16``); by default each keeps its own.
+
+    Returns:
+      The directory.
+
+    The linear layers written in bf16 (2-D ``.weight`` tensors not in NVFP4)
+    are listed in ``exclude_modules``.
+    """
+    from jax_nvfp4 import __version__
+
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a dict of arrays, got {type(weights)}")
+    entries: dict[str, tuple[str, Any]] = {}  # tensor name -> (module, value)
+    for key, value in weights.items():
+        if not isinstance(key, str):
+            raise TypeError(f"weights keys must be str names, got {key!r}")
+        module, tensor = _names(key)
+        if tensor in entries:
+            raise ValueError(f"{key!r} and another key both name tensor {tensor!r}")
+        entries[tensor] = (module, value)
+    # Candidates: the modules of 2-D (or already quantized) weights.
+    linears = {
+        module: value
+        for tensor, (module, value) in entries.items()
+        if tensor == module + _WEIGHT
+        and (isinstance(value, NVFP4Tensor) or np.ndim(value) == 2)
+    }
+
+    recipes: dict[str, Recipe | None]
+    if isinstance(nvfp4, Policy):
+        recipes = {module: nvfp4.recipe_for(module) for module in linears}
+    else:
+        if isinstance(nvfp4, str):
+            raise TypeError(
+                f"nvfp4 is a set of module names or a Policy; wrap one name in a "
+                f"set: {{{nvfp4!r}}}"
+            )
+        chosen = set(nvfp4)
+        unknown = sorted(chosen - set(linears))
+        if unknown:
+            raise ValueError(
+                f"nvfp4 names layers that are not 2-D weights in weights: "
+                f"{unknown}; the linear layers are named "
+                f"{sorted(linears)[:8]}{' ...' if len(linears) > 8 else ''}"
+            )
+        recipes = {m: recipe if m in chosen else None for m in linears}
+    for module, value in linears.items():
+        if isinstance(value, NVFP4Tensor) and recipes[module] is None:
+            recipes[module] = recipe  # already quantized: written as it is
+    selected = sorted(m for m, r in recipes.items() if r is not None)
+
+    amaxes = dict(input_amax or {})
+    missing = [m for m in selected if m not in amaxes]
+    if missing:
+        raise ValueError(
+            f"no input_amax for the NVFP4 layers {missing}: input_scale is each "
+            "layer's activation amax / 2688. Record jax_nvfp4.global_amax of the "
+            "layer's input during training, or run checkpoint.calibrate"
+        )
+
+    out: dict[str, np.ndarray] = {}
+    layers_meta: dict[str, dict[str, str]] = {}
+    for module in selected:
+        layer_recipe = recipes[module]
+        assert layer_recipe is not None
+        t = _quantize_weight(module, linears[module], layer_recipe)
+        amax = _float32(t.amax, f"{module!r}: the weight's amax")
+        x_amax = _float32(amaxes[module], f"input_amax[{module!r}]")
+        out[module + _WEIGHT] = np.asarray(t.codes, np.uint8)
+        out[module + _SCALE] = np.asarray(t.scales)
+        out[module + _SCALE_2] = _scale_of(amax)
+        out[module + _INPUT_SCALE] = _scale_of(x_amax)
+        layers_meta[module] = {
+            "amax": float(amax).hex(),
+            "input_amax": float(x_amax).hex(),
+            "block": t.block,
+        }
+    excluded = []
+    for tensor, (module, value) in entries.items():
+        if module in layers_meta and tensor == module + _WEIGHT:
+            continue
+        array = np.asarray(value)
+        if dtype is not None and np.issubdtype(array.dtype, np.floating):
+            array = array.astype(jnp.dtype(dtype))
+        if tensor in out:
+            raise ValueError(f"{tensor!r} collides with a tensor of an NVFP4 layer")
+        out[tensor] = array
+        if module in linears:
+            excluded.append(module)
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    metadata = {
+        "format": "pt",  # PyTorch orientation; transformers checks this key
+        METADATA_KEY: json.dumps({"layers": layers_meta}, sort_keys=True),
+    }
+    _write_safetensors(directory / WEIGHTS_FILE, out, metadata)
+    config = {
+        "producer": {"name": "jax_nvfp4", "version": __version__},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": None,
+            "group_size": BLOCK_SIZE,
+            "exclude_modules": sorted(excluded),
+        },
+    }
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def _quantize_weight(module: str, value, recipe: Recipe) -> NVFP4Tensor:
+    """The FP4 weight of training's FPROP for a ``[N, K]`` weight."""
+    if isinstance(value, NVFP4Tensor):
+        _check_nvfp4_tensor(module, value)
+        return value
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a jax_nvfp4.Recipe, got {recipe!r}")
+    if not recipe.fprop:
+        raise ValueError(
+            f"{module!r}: its recipe runs FPROP in bf16, so training has no FP4 "
+            "weight to export; leave the layer out of nvfp4"
+        )
+    w = jnp.asarray(value)
+    n, k = w.shape
+    tile = recipe.weight_2d
+    bad = [f"K={k}"] if k % BLOCK_SIZE else []
+    if tile and n % BLOCK_SIZE:
+        bad.append(f"N={n} (16x16 weight tiles)")
+    if bad:
+        raise ValueError(
+            f"{module!r}: weight [N={n}, K={k}] cannot be NVFP4: "
+            f"{' and '.join(bad)} must be a multiple of 16"
+        )
+    # FPROP quantizes w along K; for the [N, K] orientation that is the
+    # row-wise copy, the same bytes as the column-wise copy of [K, N].
+    return quantize(
+        w,
+        1,
+        block="16x16" if tile else "1x16",
+        implementation=recipe.implementation,
+    )
+
+
+# --------------------------------------------------------------------------
+# import
+
+
+def _load_tensors(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    single, index = directory / WEIGHTS_FILE, directory / INDEX_FILE
+    if single.exists():
+        return _read_safetensors(single)
+    if not index.exists():
+        raise CheckpointError(f"{directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from None
+    tensors: dict[str, np.ndarray] = {}
+    metadata: dict[str, str] = {}
+    for file in files:
+        part, part_meta = _read_safetensors(directory / file)
+        clash = sorted(set(part) & set(tensors))
+        if clash:
+            raise CheckpointError(f"{directory}: tensors in two files: {clash[:4]}")
+        tensors.update(part)
+        metadata.update(part_meta)
+    return tensors, metadata
+
+
+def _scalar(tensors, name: str) -> np.float32:
+    array = tensors[name]
+    if array.dtype != np.float32 or array.size != 1 or array.ndim > 1:
+        raise CheckpointError(
+            f"{name!r} must be a float32 scalar, got {array.dtype} {list(array.shape)}"
+        )
+    value = array.reshape(())[()]
+    if not (np.isfinite(value) and value > 0):
+        raise CheckpointError(f"{name!r} must be finite and positive, got {value}")
+    return value
+
+
+def _amax_from(scale: np.float32, recorded: str | None, name: str) -> np.float32:
+    """The amax whose ``/ 2688`` is ``scale``: the recorded one if it agrees."""
+    if recorded is None:
+        amax = np.float32(scale * np.float32(SCALE_RANGE))
+    else:
+        try:
+            amax = np.float32(float.fromhex(recorded))
+        except (TypeError, ValueError):
+            raise CheckpointError(
+                f"{name!r}: metadata amax {recorded!r} is not a float hex string"
+            ) from None
+    if not np.isfinite(amax) or _scale_of(amax) != scale:
+        raise CheckpointError(
+            f"{name!r} = {scale!r} is not (amax = {amax!r}) / 2688: the scale "
+            "and the recorded amax disagree"
+        )
+    return amax
+
+
+def import_nvfp4(directory: str | os.PathLike) -> NVFP4Checkpoint:
+    """Reads a ModelOpt NVFP4 checkpoint (ours or another producer's).
+
+    Returns an ``NVFP4Checkpoint`` ``(quantized, tensors, config,
+    input_amax)``; exporting its ``quantized`` and ``tensors`` with its
+    ``input_amax`` writes the same files again. Raises ``CheckpointError``
+    (a ``ValueError``) naming the file or tensor when the checkpoint is
+    malformed: a config that is not NVFP4, a safetensors header that is not
+    JSON, a truncated file, a layer missing one of its four tensors, wrong
+    dtypes or shapes.
+    """
+    directory = Path(directory)
+    config_path = directory / CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text())
+        quant = config["quantization"]
+        algo = quant["quant_algo"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no {CONFIG_FILE}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{config_path}: not a quantization config ({e!r}); expected "
+            '{"quantization": {"quant_algo": "NVFP4", ...}}'
+        ) from None
+    if algo != "NVFP4":
+        raise CheckpointError(f"{config_path}: quant_algo is {algo!r}, not 'NVFP4'")
+    if quant.get("group_size", BLOCK_SIZE) != BLOCK_SIZE:
+        raise CheckpointError(
+            f"{config_path}: group_size {quant['group_size']}, NVFP4 has 16"
+        )
+
+    tensors, metadata = _load_tensors(directory)
+    try:
+        recorded = json.loads(metadata.get(METADATA_KEY, "{}")).get("layers", {})
+    except (json.JSONDecodeError, AttributeError):
+        raise CheckpointError(
+            f"{directory}: malformed {METADATA_KEY!r} metadata"
+        ) from None
+
+    # A layer is NVFP4 when any of its scale tensors is present (or its weight
+    # is packed uint8): then all four must be.
+    modules = set()
+    for name, array in tensors.items():
+        for suffix in (_SCALE, _SCALE_2, _INPUT_SCALE):
+            if name.endswith(suffix):
+                modules.add(name[: -len(suffix)])
+        if name.endswith(_WEIGHT) and array.dtype == np.uint8:
+            modules.add(name[: -len(_WEIGHT)])
+    quantized: dict[str, NVFP4Tensor] = {}
+    input_amax: dict[str, float] = {}
+    for module in sorted(modules):
+        absent = [
+            module + s
+            for s in (_WEIGHT, _SCALE, _SCALE_2, _INPUT_SCALE)
+            if module + s not in tensors
+        ]
+        if absent:
+            raise CheckpointError(f"NVFP4 layer {module!r} has no {absent}")
+        codes = tensors.pop(module + _WEIGHT)
+        scales = tensors.pop(module + _SCALE)
+        if codes.dtype != np.uint8 or codes.ndim != 2:
+            raise CheckpointError(
+                f"{module + _WEIGHT!r} must be uint8 [N, K/2] (packed E2M1), got "
+                f"{codes.dtype} {list(codes.shape)}"
+            )
+        n, k = codes.shape[0], 2 * codes.shape[1]
+        if scales.dtype != _DTYPES["F8_E4M3"] or scales.shape != (n, k // 16):
+            raise CheckpointError(
+                f"{module + _SCALE!r} must be float8_e4m3fn [N, K/16] = "
+                f"[{n}, {k / 16:g}] for weight {list(codes.shape)}, got "
+                f"{scales.dtype} {list(scales.shape)}"
+            )
+        if k % BLOCK_SIZE:
+            raise CheckpointError(
+                f"{module + _WEIGHT!r}: K = {k} is not a multiple of 16"
+            )
+        meta = recorded.get(module, {})
+        amax = _amax_from(
+            _scalar(tensors, module + _SCALE_2), meta.get("amax"), module + _SCALE_2
+        )
+        x_amax = _amax_from(
+            _scalar(tensors, module + _INPUT_SCALE),
+            meta.get("input_amax"),
+            module + _INPUT_SCALE,
+        )
+        del tensors[module + _SCALE_2], tensors[module + _INPUT_SCALE]
+        block = meta.get("block", "1x16")  # ModelOpt's own blocks are 1x16
+        if block not in ("1x16", "16x16"):
+            raise CheckpointError(f"{module!r}: metadata block {block!r}")
+        quantized[module] = NVFP4Tensor(
+            codes=jnp.asarray(codes),
+            scales=jnp.asarray(scales),
+            amax=jnp.asarray(amax, jnp.float32),
+            shape=(n, k),
+            axis=1,
+            block=block,
+        )
+        input_amax[module] = float(x_amax)
+    return NVFP4Checkpoint(quantized, tensors, config, input_amax)
+
+
+# --------------------------------------------------------------------------
+# calibration
+
+
+def calibrate(
+    forward_fn: Callable[[Any, Callable[[str, jax.Array], jax.Array]], Any],
+    batches: Iterable[Any],
+    *,
+    jit: bool = True,
+) -> dict[str, float]:
+    """Activation amaxes for ``export_nvfp4``'s ``input_amax``.
+
+    ``forward_fn(batch, record)`` runs the model on one batch and passes each
+    linear layer's input through ``record(name, x)`` (which returns ``x``),
+    e.g. ``y = record("model.layers.0.mlp.up_proj", h) @ w_up.T``. The result
+    is ``{name: max over batches of jax_nvfp4.global_amax(x)}`` (NaN and inf
+    left out, as the quantizer does). With ``jit`` each batch runs as one
+    jitted computation; ``record`` must then be called in ``forward_fn``'s own
+    trace, not inside a ``lax.scan`` or an inner ``jax.jit`` (record those
+    layers' amaxes as outputs of the scan and take their max instead).
+    """
+
+    def run(batch):
+        seen: dict[str, jax.Array] = {}
+
+        def record(name: str, x: jax.Array) -> jax.Array:
+            amax = global_amax(x)
+            seen[name] = jnp.maximum(seen[name], amax) if name in seen else amax
+            return x
+
+        forward_fn(batch, record)
+        return seen
+
+    step = jax.jit(run) if jit else run
+    out: dict[str, np.float32] = {}
+    for batch in batches:
+        for name, amax in step(batch).items():
+            amax = np.float32(amax)
+            out[name] = max(out[name], amax) if name in out else amax
+    if not out:
+        raise ValueError(
+            "calibrate saw no activations: forward_fn must call record(name, x) "
+            "on each linear layer's input (and batches must not be empty)"
+        )
+    return {name: float(amax) for name, amax in out.items()}

@@ -1,0 +1,493 @@
+"""Export to and import from ModelOpt's NVFP4 checkpoint (jax_nvfp4.checkpoint).
+
+The reader and writer at the top of this file are written from the format's
+description (safetensors: 8-byte little-endian header length, JSON header,
+raw bytes; ModelOpt NVFP4: uint8 [N, K/2] with the even element in the low
+nibble, float8_e4m3fn [N, K/16], float32 weight_scale_2 and input_scale), not
+from the module under test, so they check it independently.
+"""
+
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_nvfp4
+from jax_nvfp4 import NVFP4, Recipe, checkpoint
+from jax_nvfp4.checkpoint import CheckpointError, export_nvfp4, import_nvfp4
+from jax_nvfp4.policy import transformer_policy
+from jax_nvfp4.recipe import _quantize_w
+
+UP = "model.layers.0.mlp.up_proj"
+DOWN = "model.layers.0.mlp.down_proj"
+Q = "model.layers.0.self_attn.q_proj"
+UP1 = "model.layers.1.mlp.up_proj"
+
+# --------------------------------------------------------------------------
+# An independent reader / writer.
+
+ST_DTYPES = {
+    "U8": np.uint8,
+    "I8": np.int8,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "BF16": ml_dtypes.bfloat16,
+    "F32": np.float32,
+}
+# E2M1: bit 3 the sign, bits 0-2 index the magnitudes.
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+E2M1_TABLE = np.array(E2M1 + [-v for v in E2M1], np.float32)
+
+
+def read_st(path):
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    metadata = header.pop("__metadata__", {})
+    body = raw[8 + n :]
+    out = {}
+    for name, e in header.items():
+        begin, end = e["data_offsets"]
+        dtype = np.dtype(ST_DTYPES[e["dtype"]])
+        out[name] = np.frombuffer(body[begin:end], dtype).reshape(e["shape"])
+    return out, metadata, header
+
+
+def write_st(path, tensors, metadata=None, header_text=None):
+    header, blobs, offset = {}, [], 0
+    names = {np.dtype(v): k for k, v in ST_DTYPES.items()}
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        header[name] = {
+            "dtype": names[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
+        blobs.append(a.tobytes())
+        offset += a.nbytes
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    text = header_text if header_text is not None else json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def serve_dequantize(tensors, name):
+    """Dequantizes as the serving engines do: e2m1 * weight_scale *
+    weight_scale_2, float32."""
+    w = tensors[name + ".weight"]
+    lo, hi = E2M1_TABLE[w & 0x0F], E2M1_TABLE[w >> 4]
+    e2m1 = np.stack([lo, hi], axis=-1).reshape(w.shape[0], 2 * w.shape[1])
+    s = tensors[name + ".weight_scale"].astype(np.float32)
+    s = np.repeat(s, 16, axis=1)
+    s2 = np.float32(tensors[name + ".weight_scale_2"].reshape(()))
+    return e2m1 * s, (e2m1 * s) * s2
+
+
+def rounding_amax(seed=0):
+    """A float32 amax whose amax / 2688 * 2688 is not itself."""
+    rng = np.random.default_rng(seed)
+    while True:
+        a = np.float32(rng.uniform(0.5, 8.0))
+        if (a / np.float32(2688)) * np.float32(2688) != a:
+            return a
+
+
+def model(dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(0), 6)
+    # A weight scaled to an amax that /2688*2688 does not give back.
+    up = jax.random.normal(keys[0], (64, 32), jnp.float32)
+    up = up / jnp.max(jnp.abs(up)) * rounding_amax(1)
+    return {
+        "model.embed_tokens.weight": jax.random.normal(keys[1], (50, 32), dtype),
+        UP: up.astype(jnp.float32),
+        DOWN + ".weight": jax.random.normal(keys[2], (32, 64), dtype),
+        Q: jax.random.normal(keys[3], (32, 32), dtype),
+        UP1: jax.random.normal(keys[4], (64, 32), dtype),
+        "model.norm.weight": jnp.ones((32,), jnp.float32),
+        "lm_head.weight": jax.random.normal(keys[5], (50, 32), dtype),
+    }
+
+
+AMAX = {UP: float(rounding_amax(2)), DOWN: 2.5, UP1: 7.0, Q: 1.0}
+
+
+def export(tmp_path, weights=None, **kw):
+    kw.setdefault("nvfp4", {UP, DOWN})
+    kw.setdefault("input_amax", AMAX)
+    return export_nvfp4(model() if weights is None else weights, tmp_path, **kw)
+
+
+# --------------------------------------------------------------------------
+
+
+def test_round_trip_byte_identical(tmp_path):
+    weights = model()
+    policy = transformer_policy(2)  # MLPs of block 0; block 1 kept in bf16
+    export(tmp_path / "a", weights, nvfp4=policy)
+    ckpt = import_nvfp4(tmp_path / "a")
+    assert set(ckpt.quantized) == {UP, DOWN}
+    assert ckpt.input_amax == {UP: AMAX[UP], DOWN: AMAX[DOWN]}
+    for name in (UP, DOWN):
+        w = weights.get(name, weights.get(name + ".weight"))
+        want = jax_nvfp4.quantize(w, 1, block="16x16")
+        got = ckpt.quantized[name]
+        assert (got.shape, got.axis, got.block, got.rht) == (w.shape, 1, "16x16", False)
+        np.testing.assert_array_equal(got.codes, want.codes)
+        assert got.scales.dtype == jnp.float8_e4m3fn
+        np.testing.assert_array_equal(
+            np.asarray(got.scales).view(np.uint8),
+            np.asarray(want.scales).view(np.uint8),
+        )
+        assert np.asarray(got.amax).tobytes() == np.asarray(want.amax).tobytes()
+    # UP's amax does not survive weight_scale_2 * 2688: the metadata keeps it.
+    amax = np.float32(ckpt.quantized[UP].amax)
+    assert (amax / np.float32(2688)) * np.float32(2688) != amax
+    for name in ("model.norm.weight", "lm_head.weight", Q + ".weight", UP1 + ".weight"):
+        key = name if name in weights else name[: -len(".weight")]
+        assert ckpt.tensors[name].dtype == weights[key].dtype
+        np.testing.assert_array_equal(ckpt.tensors[name], weights[key])
+    assert set(ckpt.tensors) == {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        Q + ".weight",
+        UP1 + ".weight",
+    }
+
+    export_nvfp4(
+        {**ckpt.quantized, **ckpt.tensors},
+        tmp_path / "b",
+        nvfp4=set(ckpt.quantized),
+        input_amax=ckpt.input_amax,
+    )
+    for file in ("model.safetensors", "hf_quant_config.json"):
+        assert (tmp_path / "a" / file).read_bytes() == (
+            tmp_path / "b" / file
+        ).read_bytes()
+    # The same policy on the imported tensors selects the same layers.
+    export_nvfp4(
+        {**ckpt.quantized, **ckpt.tensors},
+        tmp_path / "c",
+        nvfp4=policy,
+        input_amax=ckpt.input_amax,
+    )
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "c" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_round_trip_of_a_foreign_checkpoint(tmp_path):
+    """Without our metadata (another producer's file), amax = weight_scale_2 *
+    2688 and re-exporting writes the same scales and codes."""
+    export(tmp_path / "a")
+    tensors, _, _ = read_st(tmp_path / "a" / "model.safetensors")
+    (tmp_path / "b").mkdir()
+    write_st(tmp_path / "b" / "model.safetensors", tensors, {"format": "pt"})
+    (tmp_path / "b" / "hf_quant_config.json").write_text(
+        json.dumps({"quantization": {"quant_algo": "NVFP4", "group_size": 16}})
+    )
+    ckpt = import_nvfp4(tmp_path / "b")
+    assert ckpt.quantized[UP].block == "1x16"  # ModelOpt's blocks
+    s2 = tensors[UP + ".weight_scale_2"]
+    assert np.float32(ckpt.quantized[UP].amax) == s2 * np.float32(2688)
+    export_nvfp4(
+        {**ckpt.quantized, **ckpt.tensors},
+        tmp_path / "c",
+        nvfp4=set(ckpt.quantized),
+        input_amax=ckpt.input_amax,
+    )
+    again, _, _ = read_st(tmp_path / "c" / "model.safetensors")
+    assert set(again) == set(tensors)
+    for name in tensors:
+        assert again[name].tobytes() == tensors[name].tobytes(), name
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("recipe", [NVFP4, Recipe(weight_2d=False)])
+def test_fp4_bytes_are_training_fprop(tmp_path, dtype, recipe):
+    w_nk = jax.random.normal(jax.random.key(3), (48, 64), dtype)  # [N, K]
+    export_nvfp4({UP: w_nk}, tmp_path, nvfp4={UP}, input_amax=AMAX, recipe=recipe)
+    tensors, _, _ = read_st(tmp_path / "model.safetensors")
+    # FPROP's weight, in the PyTorch orientation and in Flax's [K, N].
+    fprop_nk = _quantize_w(w_nk, recipe, nk=True)[0]
+    fprop_kn = _quantize_w(w_nk.T, recipe, nk=False)[0]
+    block = "16x16" if recipe.weight_2d else "1x16"
+    plain = jax_nvfp4.quantize(w_nk.T, 0, block=block)
+    for t in (fprop_nk, fprop_kn, plain):
+        assert tensors[UP + ".weight"].tobytes() == np.asarray(t.codes).tobytes()
+        assert tensors[UP + ".weight_scale"].tobytes() == np.asarray(t.scales).tobytes()
+        amax = np.float32(t.amax)
+        assert tensors[UP + ".weight_scale_2"] == amax / np.float32(2688)
+
+
+def test_nibble_order_and_scale_layout(tmp_path):
+    n, k = 32, 64
+    # Values on the E2M1 grid with a 6 in every 16x16 tile: amax 6, every
+    # tile's scale 448 and encode multiplier 1, so the codes are the values.
+    codes = (np.arange(n)[:, None] * 3 + np.arange(k)[None, :] * 5) % 16
+    w = E2M1_TABLE[codes]
+    w[::16, ::16] = 6.0
+    w[0, 0], w[0, 1] = 1.0, -3.0  # codes 2 and 8 | 5 = 13
+    w[0, 2] = 6.0
+    export_nvfp4({UP: jnp.asarray(w)}, tmp_path, nvfp4={UP}, input_amax=AMAX)
+    tensors, _, header = read_st(tmp_path / "model.safetensors")
+    q = tensors[UP + ".weight"]
+    assert header[UP + ".weight"]["dtype"] == "U8" and q.shape == (n, k // 2)
+    assert q[0, 0] == 0xD2  # element 0 in the low nibble, element 1 high
+    assert q[0, 1] & 0x0F == 7  # element 2 = 6.0
+    codes[::16, ::16] = 7
+    codes[0, :3] = [2, 13, 7]
+    np.testing.assert_array_equal(q, codes[:, 0::2] | codes[:, 1::2] << 4)
+
+
+def test_scale_layout_is_linear(tmp_path):
+    n, k = 32, 64
+    # Tile (i, j) has amax 6 * 2^-(i + 2j): global amax 6, scale 448 * 2^-(i+2j).
+    rng = np.random.default_rng(0)
+    w = rng.uniform(-0.5, 0.5, (n, k)).astype(np.float32)
+    for i in range(n // 16):
+        for j in range(k // 16):
+            tile = w[16 * i : 16 * i + 16, 16 * j : 16 * j + 16]
+            tile *= 2.0 ** -(i + 2 * j)
+            tile[(5 * i + j) % 16, (3 * j + i) % 16] = 6.0 * 2.0 ** -(i + 2 * j)
+    export_nvfp4({UP: jnp.asarray(w)}, tmp_path, nvfp4={UP}, input_amax=AMAX)
+    tensors, _, header = read_st(tmp_path / "model.safetensors")
+    s = tensors[UP + ".weight_scale"]
+    assert header[UP + ".weight_scale"]["dtype"] == "F8_E4M3"
+    assert s.shape == (n, k // 16)  # linear: no padding to 128x4 tiles
+    rows = np.arange(n)[:, None] // 16
+    cols = np.arange(k // 16)[None, :]
+    np.testing.assert_array_equal(
+        s.astype(np.float32), 448.0 * 2.0 ** -(rows + 2 * cols)
+    )
+
+
+def test_independent_reader_matches_dequantize(tmp_path):
+    weights = model()
+    export(tmp_path, weights)
+    tensors, metadata, header = read_st(tmp_path / "model.safetensors")
+    assert metadata["format"] == "pt"
+    ckpt = import_nvfp4(tmp_path)
+    for name in (UP, DOWN):
+        assert header[name + ".weight_scale_2"] | {"data_offsets": 0} == {
+            "dtype": "F32",
+            "shape": [],
+            "data_offsets": 0,
+        }
+        assert header[name + ".input_scale"]["shape"] == []
+        t = ckpt.quantized[name]
+        amax = np.float32(t.amax)
+        s2 = tensors[name + ".weight_scale_2"]
+        assert s2 == amax / np.float32(2688)  # the GEMM alpha's quotient
+        assert tensors[name + ".input_scale"] == np.float32(AMAX[name]) / np.float32(
+            2688
+        )
+        unit, served = serve_dequantize(tensors, name)
+        # e2m1 * weight_scale is exact in float32, and equals our dequantize
+        # with the tensor scale taken out (amax 2688: (s * 2688) * (1/2688)
+        # is s for every E4M3 scale).
+        ones = jax_nvfp4.NVFP4Tensor(
+            t.codes, t.scales, jnp.float32(2688), t.shape, t.axis, t.block
+        )
+        np.testing.assert_array_equal(unit, jax_nvfp4.dequantize(ones, jnp.float32))
+        # With the tensor scale: ours computes e2m1 * ((s * A) * (1/2688)), the
+        # engine (e2m1 * s) * (A / 2688); the two roundings differ by at most
+        # one float32 ulp.
+        ours = np.asarray(jax_nvfp4.dequantize(t, jnp.float32))
+        assert np.all(np.abs(served - ours) <= np.spacing(np.abs(ours)))
+        # And the engine sees the bytes training's weight quantizes to.
+        w = weights.get(name, weights.get(name + ".weight"))
+        ref = jax_nvfp4.dequantize(jax_nvfp4.quantize(w, 1, block="16x16"), jnp.float32)
+        np.testing.assert_array_equal(ours, ref)
+
+
+def test_hf_quant_config(tmp_path):
+    export(tmp_path)
+    config = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    assert config == {
+        "producer": {"name": "jax_nvfp4", "version": jax_nvfp4.__version__},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "kv_cache_quant_algo": None,
+            "group_size": 16,
+            # 2-D weights left in bf16 (the embedding included: harmless).
+            "exclude_modules": sorted(["lm_head", "model.embed_tokens", Q, UP1]),
+        },
+    }
+    assert import_nvfp4(tmp_path).config == config
+
+
+# --------------------------------------------------------------------------
+# Malformed checkpoints
+
+
+def rewrite(tmp_path, edit, metadata=True):
+    """Exports, edits the tensors dict, writes it back with the test's writer."""
+    export(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors, meta, _ = read_st(path)
+    tensors = dict(tensors)
+    edit(tensors)
+    write_st(path, tensors, meta if metadata else None)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda t: t.update({UP + ".weight": t[UP + ".weight"].view(np.int8)}),
+            "uint8",
+        ),
+        (
+            lambda t: t.update(
+                {UP + ".weight_scale": t[UP + ".weight_scale"].astype(np.float32)}
+            ),
+            "float8_e4m3fn",
+        ),
+        (
+            lambda t: t.update({UP + ".weight": t[UP + ".weight"][:, :8]}),
+            r"float8_e4m3fn \[N, K/16\]",
+        ),
+        (
+            lambda t: t.update(
+                {UP + ".weight_scale": t[UP + ".weight_scale"].T.copy()}
+            ),
+            r"\[64, 2\]",
+        ),
+        (lambda t: t.pop(UP + ".weight_scale"), "weight_scale'"),
+        (lambda t: t.pop(UP + ".weight_scale_2"), "weight_scale_2'"),
+        (lambda t: t.pop(UP + ".input_scale"), "input_scale'"),
+        (
+            lambda t: t.update(
+                {
+                    UP + ".weight_scale_2": t[UP + ".weight_scale_2"].astype(
+                        np.float32
+                    )[None, None]
+                }
+            ),
+            "float32 scalar",
+        ),
+        (
+            lambda t: t.update(
+                {UP + ".weight_scale_2": np.float32(t[UP + ".weight_scale_2"] * 2)}
+            ),
+            "disagree",
+        ),
+    ],
+)
+def test_malformed_tensors(tmp_path, edit, match):
+    rewrite(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=match):
+        import_nvfp4(tmp_path)
+
+
+def test_malformed_files(tmp_path):
+    export(tmp_path)
+    path = tmp_path / "model.safetensors"
+    good = path.read_bytes()
+    path.write_bytes(good[:-5])
+    with pytest.raises(CheckpointError, match="truncated"):
+        import_nvfp4(tmp_path)
+    path.write_bytes(good[:6])
+    with pytest.raises(CheckpointError, match="truncated"):
+        import_nvfp4(tmp_path)
+    path.write_bytes(struct.pack("<Q", 1 << 40) + good[8:])
+    with pytest.raises(CheckpointError, match="truncated"):
+        import_nvfp4(tmp_path)
+    write_st(path, {}, header_text=b"{not json at all")
+    with pytest.raises(CheckpointError, match="not JSON"):
+        import_nvfp4(tmp_path)
+    path.write_bytes(good)
+    config = tmp_path / "hf_quant_config.json"
+    config.write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    with pytest.raises(CheckpointError, match="not 'NVFP4'"):
+        import_nvfp4(tmp_path)
+    config.write_text("[")
+    with pytest.raises(CheckpointError, match="not a quantization config"):
+        import_nvfp4(tmp_path)
+    config.unlink()
+    with pytest.raises(CheckpointError, match="no hf_quant_config.json"):
+        import_nvfp4(tmp_path)
+
+
+# --------------------------------------------------------------------------
+# Bad export input
+
+
+def test_bad_export_input(tmp_path):
+    w = model()
+    with pytest.raises(ValueError, match=r"K=24 must be a multiple of 16"):
+        export(tmp_path, {UP: jnp.ones((32, 24))}, nvfp4={UP})
+    with pytest.raises(ValueError, match=r"N=24 \(16x16 weight tiles\) must be"):
+        export(tmp_path, {UP: jnp.ones((24, 32))}, nvfp4={UP})
+    with pytest.raises(
+        ValueError, match=rf"no input_amax for the NVFP4 layers \['{UP}'\]"
+    ):
+        export(tmp_path, w, input_amax={DOWN: 1.0})
+    with pytest.raises(ValueError, match="not 2-D weights in weights: .'model.nope'"):
+        export(tmp_path, w, nvfp4={UP, "model.nope"})
+    with pytest.raises(ValueError, match="not 2-D weights"):
+        export(tmp_path, w, nvfp4={"model.norm"})
+    with pytest.raises(TypeError, match="wrap one name in a set"):
+        export(tmp_path, w, nvfp4=UP)
+    with pytest.raises(ValueError, match="FPROP in bf16"):
+        export(tmp_path, w, recipe=Recipe(fprop=False))
+    with pytest.raises(ValueError, match="finite and positive"):
+        export(tmp_path, w, input_amax={**AMAX, UP: 0.0})
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+# --------------------------------------------------------------------------
+# Calibration
+
+
+def test_calibrate(tmp_path):
+    weights = model(jnp.float32)
+
+    def forward(x, record):
+        h = record(UP, x) @ weights[UP].T
+        h = jax.nn.relu(h)
+        return record(DOWN, h) @ weights[DOWN + ".weight"].T
+
+    batches = [
+        jax.random.normal(jax.random.key(i), (4, 32)) * (i + 1) for i in range(3)
+    ]
+    amax = checkpoint.calibrate(forward, batches)
+    assert amax[UP] == float(max(jnp.max(jnp.abs(b)) for b in batches))
+    want = max(float(jnp.max(jax.nn.relu(b @ weights[UP].T))) for b in batches)
+    assert amax[DOWN] == pytest.approx(want, rel=1e-6)
+    assert checkpoint.calibrate(forward, batches, jit=False)[UP] == amax[UP]
+    export_nvfp4(weights, tmp_path, nvfp4={UP, DOWN}, input_amax=amax)
+    assert import_nvfp4(tmp_path).input_amax == amax
+    with pytest.raises(ValueError, match="record"):
+        checkpoint.calibrate(lambda x, record: x, batches)
+
+
+def test_sharded_checkpoint_and_dtype(tmp_path):
+    """A checkpoint split over files by model.safetensors.index.json imports
+    as the single file; ``dtype`` casts the tensors left unquantized."""
+    export(tmp_path / "a", dtype=jnp.bfloat16)
+    tensors, meta, _ = read_st(tmp_path / "a" / "model.safetensors")
+    assert tensors["model.norm.weight"].dtype == ml_dtypes.bfloat16
+    assert tensors[UP + ".weight_scale_2"].dtype == np.float32
+    names = sorted(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[::2]}
+    parts["model-00002-of-00002.safetensors"] = names[1::2]
+    b = tmp_path / "b"
+    b.mkdir()
+    for file, part in parts.items():
+        write_st(b / file, {n: tensors[n] for n in part}, meta)
+    index = {"weight_map": {n: f for f, part in parts.items() for n in part}}
+    (b / "model.safetensors.index.json").write_text(json.dumps(index))
+    (b / "hf_quant_config.json").write_bytes(
+        (tmp_path / "a" / "hf_quant_config.json").read_bytes()
+    )
+    one, many = import_nvfp4(tmp_path / "a"), import_nvfp4(b)
+    assert set(one.tensors) == set(many.tensors)
+    for name, t in one.quantized.items():
+        np.testing.assert_array_equal(t.codes, many.quantized[name].codes)
+        assert np.float32(t.amax) == np.float32(many.quantized[name].amax)
