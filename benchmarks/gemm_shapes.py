@@ -22,11 +22,10 @@ on a CUDA GPU with the handler built; elsewhere the script says so and stops.
 from __future__ import annotations
 
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-from common import argument_parser, header, write_json
+from common import argument_parser, header, median_seconds, write_json
 
 from jax_nvfp4.backends import hopper
 
@@ -53,16 +52,6 @@ def _operands(m, n, k, repeat):
         )
         for i in range(repeat)
     ]
-
-
-def _timed(fn, args, reps):
-    jax.block_until_ready(fn(args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main(argv=None):
@@ -121,7 +110,8 @@ def main(argv=None):
         times = {key: [] for key in fns}
         for _ in range(args.rounds):
             for key, (fn, ops) in fns.items():
-                times[key].append(_timed(fn, ops, args.reps) / args.repeat * 1e6)
+                seconds = median_seconds(fn, ops, reps=args.reps)
+                times[key].append(seconds / args.repeat * 1e6)
         med = {key: statistics.median(v) for key, v in times.items()}
         rows[name] = {"m": m, "n": n, "k": k, **med}
         print(

@@ -370,14 +370,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "output, full = nothing, none = no remat",
     )
     parser.add_argument(
-        "--experts",
-        type=int,
-        default=0,
-        help="MoE: SwiGLU experts per block (0: a dense MLP); the policy puts "
-        "the expert projections in NVFP4 like the MLP's, the router stays bf16",
-    )
-    parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
-    parser.add_argument(
         "--tie-embeddings",
         action="store_true",
         help="use the embedding matrix as the output head",

@@ -109,6 +109,14 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--eval-batches", type=int, default=4, help="held-out batches per eval"
     )
     parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="MoE: SwiGLU experts per block (0: a dense MLP); the policy puts "
+        "the expert projections in NVFP4 like the MLP's, the router stays bf16",
+    )
+    parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
+    parser.add_argument(
         "--keep-last",
         type=int,
         default=1,

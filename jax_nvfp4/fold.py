@@ -84,12 +84,7 @@ def folded_dot(recipe: Recipe, x: jax.Array, w: jax.Array, kd: jax.Array):
 
     x [..., K], w [N, K] (same dtype), kd uint32[2] key words.
     """
-    if (
-        _fold_p is not None
-        and _vmap_encloses()
-        and _explicit_sharding(x) is None
-        and _explicit_sharding(w) is None
-    ):
+    if _folds(_fold_p, x, w):
         return _fold_p.bind(x, w, kd, recipe=recipe)
     return _plain_dot(recipe, x, w, kd)
 
@@ -119,40 +114,50 @@ def _fold_rule(args, dims, *, recipe):
     return y.reshape(*x.shape[:-1], y.shape[-1]), 0
 
 
-def _fold_jvp(primals, tangents, *, recipe):
-    """Differentiated before a vmap batched it: the plain dot's derivative.
+def _define_fold(name: str, plain, abstract, rule) -> Primitive | None:
+    """A fold primitive over ``plain(recipe, x, w, *rest)``: bound where a
+    vmap will batch it (``rule`` folds the mapped axis), evaluated, lowered or
+    differentiated unbatched it is ``plain`` itself."""
 
-    Through ``jax.linearize``, not ``jax.jvp``: the plain dot's derivative is
-    a VJP, which reverse mode (``grad``, the only mode the recipe supports)
-    reaches by transposing the linearization.
-    """
-    x, w, kd = primals
-    dx, dw = (ad.instantiate_zeros(t) for t in tangents[:2])
-    y, linear = jax.linearize(lambda x, w: _plain_dot(recipe, x, w, kd), x, w)
-    return y, linear(dx, dw)
+    def impl(x, w, *rest, recipe):
+        return plain(recipe, x, w, *rest)
 
+    def jvp(primals, tangents, *, recipe):
+        # Differentiated before a vmap batched it: the plain product's
+        # derivative. Through jax.linearize, not jax.jvp: the recipe's
+        # derivative is a VJP, which reverse mode reaches by transposing
+        # the linearization.
+        x, w, *rest = primals
+        dx, dw = (ad.instantiate_zeros(t) for t in tangents[:2])
+        y, linear = jax.linearize(lambda x, w: plain(recipe, x, w, *rest), x, w)
+        return y, linear(dx, dw)
 
-def _fold_impl(x, w, kd, *, recipe):
-    return _plain_dot(recipe, x, w, kd)
-
-
-def _define_fold() -> Primitive | None:
     try:
-        prim = Primitive("nvfp4_equinox_fold")
-        prim.def_impl(_fold_impl)
-        prim.def_abstract_eval(_fold_abstract)
-        batching.primitive_batchers[prim] = _fold_rule
-        ad.primitive_jvps[prim] = _fold_jvp
-        mlir.register_lowering(prim, mlir.lower_fun(_fold_impl, multiple_results=False))
-        # Lowered unbatched it is the plain dot, whose primitives lower through
-        # custom_partitioning: that needs the devices.
+        prim = Primitive(name)
+        prim.def_impl(impl)
+        prim.def_abstract_eval(abstract)
+        batching.primitive_batchers[prim] = rule
+        ad.primitive_jvps[prim] = jvp
+        mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
+        # Lowered unbatched it is the plain product, whose primitives lower
+        # through custom_partitioning: that needs the devices.
         sharding.needs_devices_during_lowering(prim)
     except (AttributeError, TypeError):  # pragma: no cover - other JAX versions
         return None
     return prim
 
 
-_fold_p = _define_fold()
+def _folds(prim, x, w) -> bool:
+    """Whether to bind a fold primitive here (see the module docstring)."""
+    return (
+        prim is not None
+        and _vmap_encloses()
+        and _explicit_sharding(x) is None
+        and _explicit_sharding(w) is None
+    )
+
+
+_fold_p = _define_fold("nvfp4_equinox_fold", _plain_dot, _fold_abstract, _fold_rule)
 
 
 # ------------------------------------------------------ expert projections
@@ -176,12 +181,7 @@ def folded_ragged_dot(recipe: Recipe | None, x, w, group_sizes, kd):
 
     x [T, K], w [G, K, N] (same dtype), group_sizes int [G], kd uint32[2].
     """
-    if (
-        _ragged_fold_p is not None
-        and _vmap_encloses()
-        and _explicit_sharding(x) is None
-        and _explicit_sharding(w) is None
-    ):
+    if _folds(_ragged_fold_p, x, w):
         return _ragged_fold_p.bind(x, w, group_sizes, kd, recipe=recipe)
     return _plain_ragged_dot(recipe, x, w, group_sizes, kd)
 
@@ -236,35 +236,9 @@ def _ragged_fold_rule(args, dims, *, recipe):
     return back.reshape(batch, rows, y.shape[-1]), 0
 
 
-def _ragged_fold_jvp(primals, tangents, *, recipe):
-    """Differentiated before a vmap batched it: the plain product's
-    derivative (through ``jax.linearize``, as ``_fold_jvp``)."""
-    x, w, sizes, kd = primals
-    dx, dw = (ad.instantiate_zeros(t) for t in tangents[:2])
-    y, linear = jax.linearize(
-        lambda x, w: _plain_ragged_dot(recipe, x, w, sizes, kd), x, w
-    )
-    return y, linear(dx, dw)
-
-
-def _ragged_fold_impl(x, w, group_sizes, kd, *, recipe):
-    return _plain_ragged_dot(recipe, x, w, group_sizes, kd)
-
-
-def _define_ragged_fold() -> Primitive | None:
-    try:
-        prim = Primitive("nvfp4_equinox_ragged_fold")
-        prim.def_impl(_ragged_fold_impl)
-        prim.def_abstract_eval(_ragged_fold_abstract)
-        batching.primitive_batchers[prim] = _ragged_fold_rule
-        ad.primitive_jvps[prim] = _ragged_fold_jvp
-        mlir.register_lowering(
-            prim, mlir.lower_fun(_ragged_fold_impl, multiple_results=False)
-        )
-        sharding.needs_devices_during_lowering(prim)
-    except (AttributeError, TypeError):  # pragma: no cover - other JAX versions
-        return None
-    return prim
-
-
-_ragged_fold_p = _define_ragged_fold()
+_ragged_fold_p = _define_fold(
+    "nvfp4_equinox_ragged_fold",
+    _plain_ragged_dot,
+    _ragged_fold_abstract,
+    _ragged_fold_rule,
+)

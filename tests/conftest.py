@@ -2,6 +2,12 @@
 on JAX's default device (a GPU when there is one, else the CPU) and is compared
 with the pure-JAX reference evaluated on the CPU."""
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,3 +83,26 @@ def outlier_data(seed, shape, dtype=jnp.bfloat16):
     idx = rng.choice(flat.size, size=max(1, flat.size // 500), replace=False)
     flat[idx] *= 300.0
     return jnp.asarray(x, dtype)
+
+
+def run_on_virtual_cpus(script, devices: int) -> dict:
+    """Runs ``script`` in a subprocess on ``devices`` virtual CPU devices
+    (XLA_FLAGS is read when JAX starts) and returns the JSON object its last
+    line of output prints. Not from the repository root, which would shadow
+    the installed package."""
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tempfile.gettempdir(),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

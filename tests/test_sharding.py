@@ -9,15 +9,11 @@ compiled HLO gathers no activation and no full-precision weight; a sharding
 that splits a 16-element block is refused with a message that says so.
 """
 
-import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
-import tempfile
 
 import pytest
+from conftest import run_on_virtual_cpus
 
 SCRIPT = pathlib.Path(__file__).with_name("sharding_checks.py")
 # Relative to max |one-device result|: sums of <= 128 float32 products in a
@@ -28,22 +24,7 @@ ACCUMULATION_BOUND = 2**-16
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-    )
-    # Not from the repository root, which would shadow the installed package.
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT)],
-        cwd=tempfile.gettempdir(),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    data = json.loads(out.stdout)
+    data = run_on_virtual_cpus(SCRIPT, 8)
     assert data["devices"] == 8
     return data
 

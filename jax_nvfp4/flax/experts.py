@@ -31,37 +31,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_nvfp4 import grouped
-from jax_nvfp4.flax import products
-from jax_nvfp4.flax.nnx_layers import _as_data, _fork_stream
-from jax_nvfp4.flax.products import DEFAULT_RNG_COLLECTION
-from jax_nvfp4.recipe import NVFP4, Recipe
+from jax_nvfp4.flax.nnx_layers import RecipeOp, _as_data
 
 __all__ = ["Experts", "NNXRaggedDot"]
 
 default_kernel_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1)
 
 
-class NNXRaggedDot(nnx.Module):
+class NNXRaggedDot(RecipeOp):
     """``jax.lax.ragged_dot``'s signature running the NVFP4 recipe per
     expert (``jax_nvfp4.ragged_dot``), with its own RNG stream forked from
     ``rngs[rng_collection]`` (one key per call; the count is module state, as
     in ``NNXDotGeneral``). With ``rngs=None`` it is forward-only.
     """
-
-    def __init__(
-        self,
-        recipe: Recipe = NVFP4,
-        *,
-        rngs: nnx.Rngs | nnx.RngStream | jax.Array | int | None = None,
-        rng_collection: str = DEFAULT_RNG_COLLECTION,
-    ):
-        products.check_recipe(recipe)
-        self.recipe = recipe
-        self.rng_collection = rng_collection
-        stream = None
-        if rngs is not None and recipe.needs_key:
-            stream = _fork_stream(rngs, rng_collection)
-        self.rngs = _as_data(stream)
 
     def __call__(
         self,
@@ -72,14 +54,11 @@ class NNXRaggedDot(nnx.Module):
         preferred_element_type=None,
     ) -> jax.Array:
         del precision  # the recipe fixes the arithmetic
-        key = None
-        if self.rngs is not None and self.recipe.needs_key:
-            key = self.rngs()
         return grouped.ragged_dot(
             lhs,
             rhs,
             group_sizes,
-            key=key,
+            key=self.next_key(),
             recipe=self.recipe,
             preferred_element_type=preferred_element_type,
         )

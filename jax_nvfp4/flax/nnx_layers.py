@@ -16,7 +16,7 @@ from jax_nvfp4.flax import products
 from jax_nvfp4.flax.products import DEFAULT_RNG_COLLECTION
 from jax_nvfp4.recipe import NVFP4, Recipe
 
-__all__ = ["NNXDotGeneral", "NNXEinsumOp", "NVFP4Enabled"]
+__all__ = ["NNXDotGeneral", "NNXEinsumOp", "NVFP4Enabled", "RecipeOp"]
 
 
 def _fork_stream(
@@ -41,7 +41,36 @@ def _fork_stream(
     )
 
 
-class NNXDotGeneral(nnx.Module):
+class RecipeOp(nnx.Module):
+    """What every NNX op of the recipe holds: the recipe, and its own RNG
+    stream forked from ``rngs[rng_collection]`` (None where the recipe needs
+    no key, or with ``rngs=None``: forward-only). ``next_key`` draws one key
+    per call; the stream's count is module state."""
+
+    def __init__(
+        self,
+        recipe: Recipe = NVFP4,
+        *,
+        rngs: nnx.Rngs | nnx.RngStream | jax.Array | int | None = None,
+        rng_collection: str = DEFAULT_RNG_COLLECTION,
+    ):
+        products.check_recipe(recipe)
+        self.recipe = recipe
+        self.rng_collection = rng_collection
+        stream = None
+        if rngs is not None and recipe.needs_key:
+            stream = _fork_stream(rngs, rng_collection)
+        # Mark as data so the attribute holds a stream or None either way.
+        self.rngs = _as_data(stream)
+
+    def next_key(self) -> jax.Array | None:
+        """The next key of the stream (advancing it), or None without one."""
+        if self.rngs is None or not self.recipe.needs_key:
+            return None
+        return self.rngs()
+
+
+class NNXDotGeneral(RecipeOp):
     """A Flax NNX ``dot_general`` running the NVFP4 training recipe.
 
     Use it as ``nnx.Linear(k, n, dot_general=NNXDotGeneral(NVFP4,
@@ -73,28 +102,18 @@ class NNXDotGeneral(nnx.Module):
         rng_collection: str = DEFAULT_RNG_COLLECTION,
         enabled: jax.Array | bool | None = None,
     ):
-        products.check_recipe(recipe)
-        self.recipe = recipe
-        self.rng_collection = rng_collection
-        stream = None
-        if rngs is not None and recipe.needs_key:
-            stream = _fork_stream(rngs, rng_collection)
-        # Mark as data so the attribute holds a stream or None either way.
-        self.rngs = _as_data(stream)
+        super().__init__(recipe, rngs=rngs, rng_collection=rng_collection)
         self.enabled = _as_data(None if enabled is None else NVFP4Enabled(enabled))
 
     def bind(self) -> functools.partial:
         """``lax.dot_general``'s signature as a pure function for one call: the
         key is drawn (the stream advanced) now, so the function can be handed
         to code that traces it again (``jnp.einsum``'s ``_dot_general``)."""
-        key = None
-        if self.rngs is not None and self.recipe.needs_key:
-            key = self.rngs()
         enabled = None if self.enabled is None else self.enabled[...]
         return functools.partial(
             products.switched_dot_general,
             recipe=self.recipe,
-            key=key,
+            key=self.next_key(),
             enabled=enabled,
             rng_collection=self.rng_collection,
         )
