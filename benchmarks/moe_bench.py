@@ -9,18 +9,27 @@ experts get twice the rows of odd ones). One step is y = down(silu(gate(r)) *
 up(r)) over the sorted rows r and its vjp with a random cotangent. Rows:
   bf16 ragged_dot      the three projections by jax.lax.ragged_dot, bf16
   nvfp4 ragged_dot     the same by jax_nvfp4.ragged_dot (the full recipe:
-                       RHT, stochastic rounding, 16x16 weight tiles)
+                       RHT, stochastic rounding, 16x16 weight tiles), its
+                       grouped GEMM by the CUDA handler
+  nvfp4, XLA grouped   the same with JAX_NVFP4_GROUPED_GEMM=0: XLA's
+                       ragged_dot_general on the decoded operands
   bf16 dense batched   the same FLOPs as a dense batched GEMM (every expert
                        with the mean row count, jnp.einsum): how fast the
                        bf16 ragged_dot is, so that a slow baseline cannot
                        flatter the ratio
 Each row is a jitted step; the rows take turns over --rounds rounds (each
 settles --settle seconds, then --reps steps are timed back to back), and the
-ratio to bf16 ragged_dot is taken within each round.
+ratio to bf16 ragged_dot is taken within each round. TFLOP/s count the
+useful FLOPs (2 x rows x d x ffn per GEMM, 9 GEMMs).
+
+--kernels also times each grouped GEMM form of the first projection alone
+(the handler's rows form, x [rows, d] by w [G, ffn, d]; its tokens form, the
+WGRAD of the same) against XLA's dense batched GEMM of the same FLOPs.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -29,6 +38,7 @@ import jax.numpy as jnp
 from common import argument_parser, header, write_json
 
 import jax_nvfp4 as nv
+from jax_nvfp4.backends import grouped_gemm
 
 
 def group_sizes(rows: int, experts: int) -> jax.Array:
@@ -52,6 +62,41 @@ def swiglu(product):
     return step
 
 
+def kernel_operands(rows, wg, sizes):
+    """Decoded-operand stand-ins of the first projection's GEMMs: bf16 rows
+    [R, d] (R = rows + 15 G, groups padded to 16), w [G, ffn, d]; the WGRAD
+    operands as items of 16 tokens [R / 16, d or ffn, 16]."""
+    count, d, ffn = wg.shape
+    padded = (sizes + 15) // 16 * 16
+    buffer_rows = (rows.shape[0] + 15 * count) // 16 * 16
+    a = jnp.zeros((buffer_rows, d), jnp.bfloat16).at[: rows.shape[0]].set(rows)
+    b = jnp.swapaxes(wg, 1, 2)
+    items = buffer_rows // 16
+    ta = a.reshape(items, 16, d).swapaxes(1, 2)
+    tb = jnp.ones((items, ffn, 16), jnp.bfloat16)
+    return a, b, padded, jnp.ones(count, jnp.float32), ta, tb
+
+
+def kernel_steps(rows, wg, sizes, dense_product):
+    """The grouped GEMM forms alone (jitted) and a dense batched GEMM of the
+    same FLOPs."""
+
+    def rows_form(a, b, s, alpha, ta, tb):
+        return grouped_gemm.rows(a, b, s, alpha, jnp.bfloat16, handler=True)
+
+    def tokens_form(a, b, s, alpha, ta, tb):
+        return grouped_gemm.tokens(ta, tb, s, alpha, jnp.float32, handler=True)
+
+    def dense_form(a, b, s, alpha, ta, tb):
+        return dense_product(a[: rows.shape[0]], jnp.swapaxes(b, 1, 2), None)
+
+    return {
+        "rows form (handler)": jax.jit(rows_form),
+        "tokens form (handler)": jax.jit(tokens_form),
+        "dense form (XLA)": jax.jit(dense_form),
+    }
+
+
 def main(argv=None):
     parser = argument_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=32768)
@@ -62,6 +107,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--settle", type=float, default=1.0, help="seconds")
+    parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     print(header())
@@ -93,37 +139,47 @@ def main(argv=None):
     def dense_product(x, w, _):
         return jnp.einsum("gtk,gkn->gtn", x.reshape(e, per, -1), w).reshape(rows_n, -1)
 
+    operands = (rows, wg, wu, wd, dy)
     steps = {
         "bf16 ragged_dot": jax.jit(swiglu(bf16_product)),
         "nvfp4 ragged_dot": jax.jit(swiglu(nvfp4_product)),
+        "nvfp4, XLA grouped": jax.jit(swiglu(nvfp4_product)),
         "bf16 dense batched": jax.jit(swiglu(dense_product)),
     }
-    operands = (rows, wg, wu, wd, dy)
+    if not grouped_gemm.handler_supported():
+        del steps["nvfp4, XLA grouped"]  # the same as "nvfp4 ragged_dot"
+    for name, fn in steps.items():
+        switch = "0" if name == "nvfp4, XLA grouped" else "1"
+        os.environ["JAX_NVFP4_GROUPED_GEMM"] = switch  # read when traced
+        steps[name] = fn.lower(*operands).compile()
+    os.environ.pop("JAX_NVFP4_GROUPED_GEMM")
+    operands_of = {}
+    if args.kernels:
+        steps.update(kernel_steps(rows, wg, sizes, dense_product))
+        kernel_args = kernel_operands(rows, wg, sizes)
+        operands_of = {n: kernel_args for n in steps if "form" in n}
     times = {name: [] for name in steps}
-    for fn in steps.values():
-        jax.block_until_ready(fn(*operands))  # compile
     for _ in range(args.rounds):
         for name, fn in steps.items():
+            ops = operands_of[name] if "form" in name else operands
             start = time.perf_counter()
             while time.perf_counter() - start < args.settle:
-                jax.block_until_ready(fn(*operands))
+                jax.block_until_ready(fn(*ops))
             start = time.perf_counter()
-            out = [fn(*operands) for _ in range(args.reps)]
+            out = [fn(*ops) for _ in range(args.reps)]
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - start) / args.reps * 1e3)
     base = times["bf16 ragged_dot"]
-    print(f"{'step (fwd + bwd)':24s} {'ms':>9s} {'vs bf16 ragged_dot':>20s}")
-    summary = {}
+    print(f"{'step (fwd + bwd)':24s} {'ms':>9s} {'vs bf16 ragged_dot':>20s} TFLOP/s")
+    step_flops = 9 * 2 * rows_n * d * ffn  # 3 projections x (fwd, dgrad, wgrad)
     for name, values in times.items():
         ratios = [t / b for t, b in zip(values, base, strict=True)]
-        summary[name] = {"ms": statistics.median(values), "ratio": ratios}
+        ms = statistics.median(values)
+        flops = 2 * rows_n * d * ffn if "form" in name else step_flops
         print(
-            f"{name:24s} {statistics.median(values):9.2f} "
-            f"{statistics.median(ratios):9.3f}x ({min(ratios):.3f}..{max(ratios):.3f})"
+            f"{name:24s} {ms:9.2f} {statistics.median(ratios):9.3f}x "
+            f"({min(ratios):.3f}..{max(ratios):.3f}) {flops / ms / 1e9:8.0f}"
         )
-    flops = 3 * 2 * 3 * rows_n * d * ffn  # 3 GEMMs fwd+bwd, 3 projections
-    ms = summary["bf16 ragged_dot"]["ms"]
-    print(f"bf16 ragged_dot: {flops / ms / 1e9:.0f} TFLOP/s")
     if args.out:
         write_json(args.out, {"args": vars(args), "ms": times})
 

@@ -127,6 +127,21 @@ auto MatmulFp4Binding(Binder binder) {
                                               // cuBLASLt's
 }
 
+// jax_nvfp4_grouped_gemm_bf16 (CUDA): ragged_dot's grouped GEMM on decoded
+// operands (ffi/gemm/grouped_gemm.cu).
+template <typename Binder>
+auto GroupedGemmBf16Binding(Binder binder) {
+  return std::move(binder)
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // a: rows [R, L]; tokens
+                                               // [items, M, 16]
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // b: rows [G, N, L]; tokens
+                                               // [items, N, 16]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // sizes [G], multiples of 16
+      .template Arg<ffi::Buffer<ffi::F32>>()   // alpha [G]
+      .template Ret<ffi::AnyBuffer>()          // rows [R, N]; tokens [G, M, N]
+      .template Attr<bool>("tokens");          // the form: rows or tokens
+}
+
 }  // namespace jax_nvfp4
 
 #endif  // JAX_NVFP4_FFI_BINDINGS_H_

@@ -9,6 +9,9 @@
     epilogue on other GPUs; off: XLA's bf16 GEMM. Read when lowered.
 ``JAX_NVFP4_GEMM_GRAPHS`` (on): declare that GEMM safe for XLA's command
     buffers (CUDA graphs). Read when lowered.
+``JAX_NVFP4_GROUPED_GEMM`` (on): ``ragged_dot``'s grouped GEMM by the CUDA
+    handler on GPUs; off: XLA's ``ragged_dot_general`` on the same decoded
+    operands (which XLA expands to a masked dense GEMM). Read when traced.
 ``JAX_NVFP4_DECODED_OPERANDS`` (on): on the cuBLASLt bf16 path, the fused
     quantize writes the GEMM's bfloat16 operands instead of codes. Read when
     traced.
@@ -33,6 +36,7 @@ SWITCHES = {
     "JAX_NVFP4_CUBLASLT_GEMM": True,
     "JAX_NVFP4_GEMM_GRAPHS": True,
     "JAX_NVFP4_DECODED_OPERANDS": True,
+    "JAX_NVFP4_GROUPED_GEMM": True,
 }
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")

@@ -21,8 +21,8 @@ a sum). w [G, K, N] is G items, one amax each.
 Every GEMM sums without scale (alpha = 1) in float32, then multiplies by
 alpha_g = (A_a / 2688) * (A_b / 2688) of the row's (or dw's) group in float32
 and rounds once to the output dtype: the 2-D GEMM's epilogue. On GPUs that sum
-is one grouped launch, ``lax.ragged_dot_general`` on the decoded bfloat16
-operands (exact products, float32 accumulation). On the CPU it is the matmul
+is one grouped launch on the decoded bfloat16 operands (exact products,
+float32 accumulation; ``backends/grouped_gemm.py``). On the CPU it is the matmul
 primitive once per group over all rows (other groups' tokens masked), so that
 every sum is the CPU handler's in-order sum and results equal a loop of
 ``jax_nvfp4.dot`` over the groups bit for bit -- G times the work, which the
@@ -48,6 +48,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_nvfp4 import config, ops, reference
+from jax_nvfp4.backends import grouped_gemm
 from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, is_supported_input_dtype
 from jax_nvfp4.quantize import implementation_ops, key_words
 from jax_nvfp4.recipe import (
@@ -62,15 +63,20 @@ from jax_nvfp4.recipe import (
 
 __all__ = ["ragged_dot"]
 
-# Tests set this to run the GPUs' grouped GEMM (ragged_dot_general on the
-# decoded operands) on the CPU.
+# Tests set this to run the GPUs' grouped GEMM on the CPU (its pure-JAX
+# twin, ragged_dot_general on the decoded operands).
 _FORCE_RAGGED_GEMM = False
 
+# How the GEMMs run: once per group with the CPU handler's in-order sums
+# (exact reference), or as one grouped launch on the decoded operands: the
+# CUDA handler, or its twin (backends/grouped_gemm.py).
+PER_GROUP, RAGGED_TWIN, GROUPED_HANDLER = "per group", "ragged twin", "handler"
 
-def _ragged_gemm() -> bool:
-    """Whether the GEMMs run as one ragged launch (GPUs) rather than once per
-    group (the CPU, for the handler's exact in-order sums)."""
-    return _FORCE_RAGGED_GEMM or jax.default_backend() == "gpu"
+
+def _gemm_form() -> str:
+    if _FORCE_RAGGED_GEMM or jax.default_backend() == "gpu":
+        return GROUPED_HANDLER if grouped_gemm.handler_supported() else RAGGED_TWIN
+    return PER_GROUP
 
 
 class _Groups(NamedTuple):
@@ -272,84 +278,80 @@ def _ragged_numbers(lhs_contracting, rhs_contracting, rhs_group):
     )
 
 
-def _rows_gemm(a: _Operand, b: _Operand, groups, recipe, ragged, out_dtype):
+def _rows_gemm(a: _Operand, b: _Operand, groups, recipe, gemm, out_dtype):
     """Row-grouped: a's buffer rows [1, buffer rows, k] of group g times b[g]
     (stored [G, n, k]) -> [T, n] of ``out_dtype`` in x's row order."""
     count, n = b.values.shape[:2]
-    if ragged:
-        acc = lax.ragged_dot_general(
+    if gemm != PER_GROUP:
+        out = grouped_gemm.rows(
             reference.operand_bf16(a.values, a.scales)[0],
             reference.operand_bf16(b.values, b.scales),
             groups.padded_sizes,
-            _ragged_numbers(1, 2, [0]),
-            preferred_element_type=jnp.float32,
+            _alpha(a.amax, b.amax),
+            out_dtype,
+            handler=gemm == GROUPED_HANDLER,
         )
-    else:
-        row_group = jnp.repeat(groups.item_group, BLOCK_SIZE)
+        return _from_buffer(out, groups)
+    row_group = jnp.repeat(groups.item_group, BLOCK_SIZE)
 
-        def one_group(g, acc):
-            sums = _sums(
-                recipe.implementation,
-                a.values,
-                a.scales,
-                lax.dynamic_index_in_dim(b.values, g),
-                lax.dynamic_index_in_dim(b.scales, g),
-            )
-            return jnp.where((row_group == g)[:, None], sums, acc)
+    def one_group(g, acc):
+        sums = _sums(
+            recipe.implementation,
+            a.values,
+            a.scales,
+            lax.dynamic_index_in_dim(b.values, g),
+            lax.dynamic_index_in_dim(b.scales, g),
+        )
+        return jnp.where((row_group == g)[:, None], sums, acc)
 
-        # Group 0 outside the loop: the carry then has the operands' variance
-        # inside shard_map (a constant zero carry would not).
-        acc = one_group(0, jnp.zeros((groups.buffer_rows, n), jnp.float32))
-        acc = lax.fori_loop(1, count, one_group, acc)
+    # Group 0 outside the loop: the carry then has the operands' variance
+    # inside shard_map (a constant zero carry would not).
+    acc = one_group(0, jnp.zeros((groups.buffer_rows, n), jnp.float32))
+    acc = lax.fori_loop(1, count, one_group, acc)
     alpha = _per_item(_alpha(a.amax, b.amax), groups.row_group)
     return (_from_buffer(acc, groups) * alpha[:, None]).astype(out_dtype)
 
 
-def _token_major(values):
-    """[items, F, 16] (a token-axis copy per 16-token block) -> [tokens, F]."""
-    return jnp.swapaxes(values, 1, 2).reshape(-1, values.shape[1])
-
-
-def _tokens_gemm(a: _Operand, b: _Operand, groups, recipe, ragged, out_dtype):
+def _tokens_gemm(a: _Operand, b: _Operand, groups, recipe, gemm, out_dtype):
     """Token-grouped (WGRAD): dw[g] = sum over group g's tokens of a's
     column-wise copy [items, k, 16] times b's [items, n, 16] -> [G, k, n]."""
     count = a.amax.shape[0]
-    if ragged:
-        acc = lax.ragged_dot_general(
-            _token_major(reference.operand_bf16(a.values, a.scales)),
-            _token_major(reference.operand_bf16(b.values, b.scales)),
+    if gemm != PER_GROUP:
+        return grouped_gemm.tokens(
+            reference.operand_bf16(a.values, a.scales),
+            reference.operand_bf16(b.values, b.scales),
             groups.padded_sizes,
-            _ragged_numbers(0, 0, []),
-            preferred_element_type=jnp.float32,
+            _alpha(a.amax, b.amax),
+            out_dtype,
+            handler=gemm == GROUPED_HANDLER,
         )
-    else:
 
-        def stored(t):  # [items, F, l] -> [1, F, items * l]: tokens last
-            return jnp.swapaxes(t, 0, 1).reshape(1, t.shape[1], -1)
+    def stored(t):  # [items, F, l] -> [1, F, items * l]: tokens last
+        return jnp.swapaxes(t, 0, 1).reshape(1, t.shape[1], -1)
 
-        a_values, a_scales = stored(a.values), stored(a.scales)
-        b_values, b_scales = stored(b.values), stored(b.scales)
-        code_bytes = a.values.shape[-1]
+    a_values, a_scales = stored(a.values), stored(a.scales)
+    b_values, b_scales = stored(b.values), stored(b.scales)
+    code_bytes = a.values.shape[-1]
 
-        def one_group(g):
-            # Other groups' blocks become zero codes and scales, in both
-            # operands so that their NaN blocks add nothing; zeros leave an
-            # in-order sum from +0 unchanged.
-            block = groups.item_group == g
-            byte = jnp.repeat(block, code_bytes)
+    def one_group(g):
+        # Other groups' blocks become zero codes and scales, in both
+        # operands so that their NaN blocks add nothing; zeros leave an
+        # in-order sum from +0 unchanged.
+        block = groups.item_group == g
+        byte = jnp.repeat(block, code_bytes)
 
-            def mask(t, keep):
-                return jnp.where(keep, t, jnp.zeros((), t.dtype))
+        def mask(t, keep):
+            return jnp.where(keep, t, jnp.zeros((), t.dtype))
 
-            return _sums(
-                recipe.implementation,
-                mask(a_values, byte),
-                mask(a_scales, block),
-                mask(b_values, byte),
-                mask(b_scales, block),
-            )
+        return _sums(
+            recipe.implementation,
+            mask(a_values, byte),
+            mask(a_scales, block),
+            mask(b_values, byte),
+            mask(b_scales, block),
+        )
 
-        acc = lax.map(one_group, jnp.arange(count, dtype=jnp.int32))
+    acc = lax.map(one_group, jnp.arange(count, dtype=jnp.int32))
     alpha = _alpha(a.amax, b.amax)
     return (acc * alpha[:, None, None]).astype(out_dtype)
 
@@ -377,8 +379,8 @@ def _ragged(x, w, group_sizes, words, recipe, static):
 
 
 def _ragged_fwd(x, w, group_sizes, words, recipe, static):
-    """static: (input dtype, output dtype, ragged GEMMs)."""
-    _, out_dtype, ragged = static
+    """static: (input dtype, output dtype, the GEMMs' form)."""
+    _, out_dtype, gemm = static
     count = w.shape[0]
     groups = _groups(group_sizes, x.shape[0])
     x_rows, x_cols = None, None
@@ -392,12 +394,12 @@ def _ragged_fwd(x, w, group_sizes, words, recipe, static):
             cols=recipe.wgrad,
             stochastic=False,
             words=jnp.asarray(_NO_KEY),
-            ragged=ragged,
+            ragged=gemm != PER_GROUP,
             decoded_cols=False,  # x's column-wise copy is the residual
         )
     w_along_k, w_along_n = _quantize_w(w, recipe)
     if recipe.fprop:
-        out = _rows_gemm(x_rows, w_along_k, groups, recipe, ragged, out_dtype)
+        out = _rows_gemm(x_rows, w_along_k, groups, recipe, gemm, out_dtype)
     else:
         out = _plain_rows(
             x, w, group_sizes, None if out_dtype == x.dtype else out_dtype
@@ -412,7 +414,7 @@ def _ragged_fwd(x, w, group_sizes, words, recipe, static):
 
 
 def _ragged_bwd(recipe, static, residuals, dy):
-    in_dtype, _, ragged = static
+    in_dtype, _, gemm = static
     x_saved, w_saved, group_sizes, words = residuals
     count = group_sizes.shape[0]
     groups = _groups(group_sizes, dy.shape[0])
@@ -425,17 +427,17 @@ def _ragged_bwd(recipe, static, residuals, dy):
         cols=recipe.wgrad,
         stochastic=recipe.stochastic_rounding,
         words=words,
-        ragged=ragged,
+        ragged=gemm != PER_GROUP,
         decoded_cols=True,  # dY's column-wise copy feeds WGRAD only
     )
     if recipe.dgrad:
-        dx = _rows_gemm(dy_rows, w_saved, groups, recipe, ragged, in_dtype)
+        dx = _rows_gemm(dy_rows, w_saved, groups, recipe, gemm, in_dtype)
     else:
         dx = _plain_rows(
             dy.astype(w_saved.dtype), w_saved, group_sizes, transpose_w=True
         )
     if recipe.wgrad:
-        dw = _tokens_gemm(x_saved, dy_cols, groups, recipe, ragged, in_dtype)
+        dw = _tokens_gemm(x_saved, dy_cols, groups, recipe, gemm, in_dtype)
     else:
         dw = lax.ragged_dot_general(
             x_saved,
@@ -575,7 +577,7 @@ def ragged_dot(
             x, w, group_sizes, preferred_element_type=preferred_element_type
         )
     _refuse_forward_mode(x, w)
-    static = (jnp.dtype(x.dtype), out_dtype, _ragged_gemm())
+    static = (jnp.dtype(x.dtype), out_dtype, _gemm_form())
     if recipe.needs_key and key is None:
         out = _forward_only(x, w, group_sizes, recipe, static)
     else:

@@ -9,10 +9,10 @@ slow kernels down a hundredfold) and odd (partial tiles, k not a multiple of
 kernels runs: the quantize kernels (row-wise, column-wise, 16x16, RHT,
 stochastic rounding, the fused rows + columns with each option set, a NaN
 block on the slow path), the amax passes (plain, RHT, per column), dequantize,
-the GEMM's call plans (shared and per-item operands, bf16 and float32 out)
-and the recipe's forward + backward (the fused quantize writing the GEMM's
-operands, the decode of FP4 residuals). Runs anywhere; only on a GPU does it
-exercise the CUDA handlers.
+the GEMM's call plans (shared and per-item operands, bf16 and float32 out),
+the recipe's forward + backward (the fused quantize writing the GEMM's
+operands, the decode of FP4 residuals) and ragged_dot's (the grouped GEMM).
+Runs anywhere; only on a GPU does it exercise the CUDA handlers.
 """
 
 import argparse
@@ -81,6 +81,23 @@ def recipe_step(key):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
 
 
+def ragged_step(key):
+    """jax_nvfp4.ragged_dot forward + both gradients: the grouped GEMM's rows
+    and tokens forms, with an empty group, groups off 16 and off the 128-row
+    tile, and rows past the groups."""
+    kx, kw, kg = jax.random.split(key, 3)
+    sizes = jnp.array([19, 0, 150, 33], jnp.int32)
+    x = jax.random.normal(kx, (210, 80), jnp.bfloat16)
+    w = jax.random.normal(kw, (4, 80, 48), jnp.bfloat16) * 0.1
+    g = jax.random.normal(kg, (210, 48), jnp.float32)
+
+    def loss(x, w):
+        y = nv.ragged_dot(x, w, sizes, key=key)
+        return jnp.sum(y.astype(jnp.float32) * g)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -96,9 +113,10 @@ def main(argv=None):
         jax.block_until_ready((outs, amaxes, deq))
     jax.block_until_ready(gemms(key))
     jax.block_until_ready(recipe_step(key))
+    jax.block_until_ready(ragged_step(key))
     print(
         f"sanitizer smoke: ran {len(outs)} quantizations and 2 amax passes per "
-        "dtype, 4 GEMMs and one recipe step"
+        "dtype, 4 GEMMs, one recipe step and one ragged_dot step"
     )
 
 

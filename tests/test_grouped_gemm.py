@@ -1,0 +1,184 @@
+"""ragged_dot's grouped GEMM (backends/grouped_gemm.py): the CUDA handler
+against its pure-JAX twin, and the twin against a per-group loop.
+
+Integer-valued operands make every float32 sum exact, so results that may
+differ only by summation order must be bit-identical."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import has_gpu
+
+from jax_nvfp4.backends import grouped_gemm
+
+# Buffer sizes per group (multiples of 16): empty groups, one group past a
+# 128-row tile, groups off tile multiples; rows past the groups at the end.
+SIZES = {
+    "unbalanced": (48, 0, 160, 16, 0, 272),
+    "one_group": (0, 512, 0),
+    "tail_rows": (32, 64),
+}
+RESULT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _integers(seed, shape, low=-4, high=5):
+    values = np.random.default_rng(seed).integers(low, high, shape)
+    return jnp.asarray(values, jnp.bfloat16)
+
+
+def _alpha(groups, seed=7):
+    """Powers of two (exact products with any sum)."""
+    exponents = np.random.default_rng(seed).integers(-3, 4, groups)
+    return jnp.asarray(2.0**exponents, jnp.float32)
+
+
+def _rows_operands(sizes, length, n, seed=0):
+    rows = sum(sizes) + 48
+    a = _integers(seed, (rows, length))
+    b = _integers(seed + 1, (len(sizes), n, length))
+    return a, b, jnp.asarray(sizes, jnp.int32), _alpha(len(sizes))
+
+
+def _tokens_operands(sizes, m, n, seed=0):
+    items = sum(sizes) // 16 + 2
+    a = _integers(seed, (items, m, 16))
+    b = _integers(seed + 1, (items, n, 16))
+    return a, b, jnp.asarray(sizes, jnp.int32), _alpha(len(sizes))
+
+
+def _group_rows(sizes):
+    """(group, first row, end row) of every non-empty group."""
+    start, out = 0, []
+    for g, size in enumerate(sizes):
+        if size:
+            out.append((g, start, start + size))
+        start += size
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_twin_rows_is_a_per_group_loop(case):
+    sizes = SIZES[case]
+    a, b, s, alpha = _rows_operands(sizes, 48, 40)
+    got = np.asarray(grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=False))
+    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    for g, start, end in _group_rows(sizes):
+        want = a32[start:end] @ b32[g].T * np.float32(alpha[g])
+        np.testing.assert_array_equal(got[start:end], want)
+    np.testing.assert_array_equal(got[sum(sizes) :], 0)
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_twin_tokens_is_a_per_group_loop(case):
+    sizes = SIZES[case]
+    a, b, s, alpha = _tokens_operands(sizes, 32, 48)
+    got = np.asarray(grouped_gemm.tokens(a, b, s, alpha, jnp.float32, handler=False))
+    tokens_a = np.asarray(jnp.swapaxes(a, 1, 2).reshape(-1, 32), np.float32)
+    tokens_b = np.asarray(jnp.swapaxes(b, 1, 2).reshape(-1, 48), np.float32)
+    for g, size in enumerate(sizes):
+        start = sum(sizes[:g])
+        want = tokens_a[start : start + size].T @ tokens_b[start : start + size]
+        np.testing.assert_array_equal(got[g], want * np.float32(alpha[g]))
+
+
+needs_handler = pytest.mark.skipif(
+    not (has_gpu() and grouped_gemm.handler_supported()),
+    reason="needs the CUDA grouped GEMM handler on a GPU",
+)
+
+
+@needs_handler
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", RESULT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", sorted(SIZES))
+@pytest.mark.parametrize("length,n", [(48, 40), (256, 384), (1040, 136)])
+def test_handler_rows_equals_twin(case, dtype, length, n):
+    sizes = SIZES[case]
+    a, b, s, alpha = _rows_operands(sizes, length, n, seed=len(case))
+    got = jax.jit(grouped_gemm.rows, static_argnums=(4,), static_argnames="handler")(
+        a, b, s, alpha, dtype, handler=True
+    )
+    want = grouped_gemm.rows(a, b, s, alpha, dtype, handler=False)
+    rows = sum(sizes)  # the handler leaves rows past the groups unwritten
+    np.testing.assert_array_equal(
+        np.asarray(got[:rows], np.float32), np.asarray(want[:rows], np.float32)
+    )
+
+
+@needs_handler
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", RESULT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("case", sorted(SIZES))
+@pytest.mark.parametrize("m,n", [(32, 48), (384, 256), (144, 1040)])
+def test_handler_tokens_equals_twin(case, dtype, m, n):
+    sizes = SIZES[case]
+    a, b, s, alpha = _tokens_operands(sizes, m, n, seed=len(case))
+    got = jax.jit(grouped_gemm.tokens, static_argnums=(4,), static_argnames="handler")(
+        a, b, s, alpha, dtype, handler=True
+    )
+    want = grouped_gemm.tokens(a, b, s, alpha, dtype, handler=False)
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32), np.asarray(want, np.float32)
+    )
+
+
+@needs_handler
+@pytest.mark.gpu
+def test_handler_on_real_values_is_within_float32_summation_order():
+    """Random bf16 values: sums differ from the twin's by accumulation order
+    only (|error| <= L * 2^-23 * sum |terms|)."""
+    sizes = SIZES["unbalanced"]
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(key_a, (sum(sizes) + 16, 2048), jnp.bfloat16)
+    b = jax.random.normal(key_b, (len(sizes), 256, 2048), jnp.bfloat16)
+    s, alpha = jnp.asarray(sizes, jnp.int32), _alpha(len(sizes))
+    got = np.asarray(grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=True))
+    want = np.asarray(grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=False))
+    rows = sum(sizes)
+    a32 = np.abs(np.asarray(a, np.float32))
+    b32 = np.abs(np.asarray(b, np.float32))
+    for g, start, end in _group_rows(sizes):
+        bound = 2048 * 2**-23 * (a32[start:end] @ b32[g].T) * float(alpha[g])
+        assert (np.abs(got[start:end] - want[start:end]) <= bound).all()
+    assert np.isfinite(got[:rows]).all()
+
+
+@needs_handler
+@pytest.mark.gpu
+def test_handler_keeps_a_nan_in_its_group():
+    """A NaN in one group's weight reaches that group's rows only (XLA's
+    masked dense expansion spreads it to every row)."""
+    sizes = SIZES["unbalanced"]
+    a, b, s, alpha = _rows_operands(sizes, 48, 40)
+    b = b.at[2, 5, 7].set(jnp.nan)
+    got = np.asarray(grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=True))
+    start, end = 48, 48 + 160  # group 2
+    assert np.isnan(got[start:end, 5]).all()
+    assert np.isfinite(np.delete(got[start:end], 5, 1)).all()
+    assert np.isfinite(np.delete(got[: sum(sizes)], np.s_[start:end], 0)).all()
+
+
+@needs_handler
+@pytest.mark.gpu
+def test_handler_under_vmap_is_a_loop():
+    sizes = SIZES["tail_rows"]
+    a, b, s, alpha = _rows_operands(sizes, 48, 40)
+    a2 = jnp.stack([a, a[::-1]])
+
+    def rows(x):
+        return grouped_gemm.rows(x, b, s, alpha, jnp.float32, handler=True)
+
+    got = jax.vmap(rows)(a2)
+    for i in range(2):
+        np.testing.assert_array_equal(got[i][:96], rows(a2[i])[:96])
+
+
+@needs_handler
+@pytest.mark.gpu
+def test_handler_refuses_malformed_operands():
+    a, b, s, alpha = _rows_operands((16, 16), 48, 40)
+    with pytest.raises(Exception, match="grouped_gemm_bf16"):
+        jax.ffi.ffi_call(
+            grouped_gemm.TARGET, jax.ShapeDtypeStruct((a.shape[0], 40), jnp.float32)
+        )(a[:, :40], b, s, alpha, tokens=False).block_until_ready()
