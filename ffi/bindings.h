@@ -142,6 +142,18 @@ auto GroupedGemmBf16Binding(Binder binder) {
       .template Attr<bool>("tokens");          // the form: rows or tokens
 }
 
+// jax_nvfp4_matmul_w4a16 (CUDA): bf16 x times an NVFP4 weight decoded in
+// registers (ffi/gemm/weight_only_gemm.cu).
+template <typename Binder>
+auto MatmulW4A16Binding(Binder binder) {
+  return std::move(binder)
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
+      .template Arg<ffi::Buffer<ffi::U8>>()    // w codes [N, K/2]
+      .template Arg<ffi::AnyBuffer>()          // w e4m3 scales [N, K/16]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // w amax [1]
+      .template Ret<ffi::AnyBuffer>();         // out [M, N], bf16 or f32
+}
+
 }  // namespace jax_nvfp4
 
 #endif  // JAX_NVFP4_FFI_BINDINGS_H_

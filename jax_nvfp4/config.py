@@ -12,6 +12,10 @@
 ``JAX_NVFP4_GROUPED_GEMM`` (on): ``ragged_dot``'s grouped GEMM by the CUDA
     handler on GPUs; off: XLA's ``ragged_dot_general`` on the same decoded
     operands (which XLA expands to a masked dense GEMM). Read when traced.
+``JAX_NVFP4_W4A16_GEMM`` (on): ``matmul`` of bfloat16 activations by an
+    NVFP4 weight through the CUDA handler that decodes the weight in
+    registers, for few rows; off: the decoded weight and a bf16 GEMM. Read
+    when traced.
 ``JAX_NVFP4_DECODED_OPERANDS`` (on): on the cuBLASLt bf16 path, the fused
     quantize writes the GEMM's bfloat16 operands instead of codes. Read when
     traced.
@@ -37,6 +41,7 @@ SWITCHES = {
     "JAX_NVFP4_GEMM_GRAPHS": True,
     "JAX_NVFP4_DECODED_OPERANDS": True,
     "JAX_NVFP4_GROUPED_GEMM": True,
+    "JAX_NVFP4_W4A16_GEMM": True,
 }
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")

@@ -4,6 +4,10 @@
 ``out = (A_a / 2688)(A_b / 2688) * sum_k e2m1(a) s_a * e2m1(b) s_b`` with
 float32 accumulation. Which GEMM computes it on each backend is the matmul
 primitive's business (``jax_nvfp4.ops.matmul``).
+
+``matmul(x, w)`` with bfloat16 activations x and an NVFP4 weight w is the
+weight-only GEMM of serving (W4A16): ``out = (A_w / 2688) * sum_k x *
+e2m1(w) s_w`` (``jax_nvfp4.backends.weight_only``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_nvfp4.backends import hopper, weight_only
 from jax_nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from jax_nvfp4.quantize import implementation_ops
 
@@ -36,8 +41,55 @@ def _stored_rank3(t: NVFP4Tensor, name: str):
     )
 
 
+def _weight_only_path(rows: int, k: int, n: int, implementation: str) -> str:
+    if implementation != "ffi" or jax.default_backend() != "gpu":
+        return "xla"
+    if rows <= weight_only.MAX_HANDLER_ROWS and weight_only.handler_supported(k, n):
+        return "handler"
+    return "cublaslt" if hopper.cublaslt_gemm_supported() else "xla"
+
+
+def _weight_only(x, w: NVFP4Tensor, out_dtype, implementation):
+    """bfloat16 x [..., K] times the NVFP4 weight w stored [N, K]."""
+    if not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    if x.dtype != jnp.bfloat16:
+        raise TypeError(
+            f"matmul of activations by an NVFP4 weight takes bfloat16 activations "
+            f"(exact products with the decoded weight); x is {x.dtype}: pass "
+            "x.astype(jnp.bfloat16), or quantize x too (jax_nvfp4.quantize)"
+        )
+    stored = w.stored_shape
+    if w.batch_ndim or len(stored) != 2:
+        raise ValueError(
+            f"the NVFP4 weight must be one matrix stored [N, K] (quantized along "
+            f"K); got stored shape {stored} with {w.batch_ndim} vmapped axes"
+        )
+    if w.rht:
+        raise ValueError(
+            "the weight is Random-Hadamard-transformed along K, which only cancels "
+            "against transformed activations: quantize x with rht=True as well"
+        )
+    if w.decoded:
+        raise ValueError("the weight holds decoded values; pass its NVFP4 codes")
+    n, k = stored
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(f"x {x.shape} must end in the weight's K={k} (w is [N, K])")
+    rows = math.prod(x.shape[:-1])
+    path = _weight_only_path(rows, k, n, implementation)
+    out = weight_only.matmul_w4a16(
+        x.reshape(rows, k),
+        w.codes.reshape(n, k // 2),
+        w.scales.reshape(n, k // BLOCK_SIZE),
+        w.amax,
+        out_dtype,
+        path=path,
+    )
+    return out.reshape(*x.shape[:-1], n)
+
+
 def matmul(
-    a: NVFP4Tensor,
+    a: NVFP4Tensor | jax.Array,
     b: NVFP4Tensor,
     *,
     out_dtype=jnp.bfloat16,
@@ -47,7 +99,9 @@ def matmul(
 
     Args:
       a: stored ``[..., M, K]`` (quantized along K, e.g. activations
-        ``quantize(x, -1)`` of x ``[..., M, K]``).
+        ``quantize(x, -1)`` of x ``[..., M, K]``); or bfloat16 activations
+        ``[..., K]`` themselves, for the weight-only GEMM (W4A16, serving):
+        b must then be one weight stored ``[N, K]``.
       b: stored ``[N, K]`` or ``[..., N, K]`` with a's leading dims (e.g. a
         weight w ``[K, N]`` quantized along axis 0).
       out_dtype: bfloat16 or float32.
@@ -55,6 +109,11 @@ def matmul(
     Returns:
       ``[..., M, N]`` of ``out_dtype``: sum over k of a[..., m, k] * b[n, k].
     """
+    if isinstance(b, NVFP4Tensor) and not isinstance(a, NVFP4Tensor):
+        out_dtype = np.dtype(out_dtype)
+        if out_dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+            raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+        return _weight_only(a, b, out_dtype, implementation)
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, NVFP4Tensor):
             raise TypeError(f"matmul takes NVFP4Tensors; {name} is {type(t).__name__}")

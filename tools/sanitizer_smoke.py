@@ -98,26 +98,62 @@ def ragged_step(key):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
 
 
+def grouped_gemms(key):
+    """The grouped GEMM handler alone, both forms (no XLA computation around
+    it but the call)."""
+    from jax_nvfp4.backends import grouped_gemm
+
+    sizes = jnp.array([32, 0, 160, 48], jnp.int32)
+    a = jax.random.normal(key, (256, 80), jnp.bfloat16)
+    b = jax.random.normal(key, (4, 48, 80), jnp.bfloat16)
+    ta = jax.random.normal(key, (16, 80, 16), jnp.bfloat16)
+    tb = jax.random.normal(key, (16, 48, 16), jnp.bfloat16)
+    alpha = jnp.ones(4, jnp.float32)
+    handler = grouped_gemm.handler_supported()
+    return (
+        grouped_gemm.rows(a, b, sizes, alpha, jnp.bfloat16, handler=handler),
+        grouped_gemm.tokens(ta, tb, sizes, alpha, jnp.float32, handler=handler),
+    )
+
+
+PARTS = {
+    "quantize": "quantizations and amax passes in three dtypes",
+    "gemm": "4 GEMMs",
+    "recipe": "one dot step",
+    "grouped": "the grouped GEMM's two forms",
+    "ragged": "one ragged_dot step",
+}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[1:]),
     )
-    parser.parse_args(argv)
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated, of {', '.join(PARTS)} (default: all)",
+    )
+    parts = parser.parse_args(argv).parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     key = jax.random.key(0)
     print("devices:", jax.devices(), "handlers on", sorted(nv.available_platforms()))
-    for dtype in (jnp.bfloat16, jnp.float32, jnp.float16):
-        x = jax.random.normal(key, (2, 144, 80), dtype)
-        outs, amaxes, deq = quantizations(x, key)
-        jax.block_until_ready((outs, amaxes, deq))
-    jax.block_until_ready(gemms(key))
-    jax.block_until_ready(recipe_step(key))
-    jax.block_until_ready(ragged_step(key))
-    print(
-        f"sanitizer smoke: ran {len(outs)} quantizations and 2 amax passes per "
-        "dtype, 4 GEMMs, one recipe step and one ragged_dot step"
-    )
+    if "quantize" in parts:
+        for dtype in (jnp.bfloat16, jnp.float32, jnp.float16):
+            x = jax.random.normal(key, (2, 144, 80), dtype)
+            jax.block_until_ready(quantizations(x, key))
+    if "gemm" in parts:
+        jax.block_until_ready(gemms(key))
+    if "recipe" in parts:
+        jax.block_until_ready(recipe_step(key))
+    if "grouped" in parts:
+        jax.block_until_ready(grouped_gemms(key))
+    if "ragged" in parts:
+        jax.block_until_ready(ragged_step(key))
+    print("sanitizer smoke: ran " + "; ".join(PARTS[p] for p in parts))
 
 
 if __name__ == "__main__":

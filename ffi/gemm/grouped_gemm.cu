@@ -31,6 +31,7 @@
 #include "bindings.h"
 #include "checks.h"
 #include "cuda/launch.cuh"
+#include "gemm/mma.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {
@@ -38,8 +39,9 @@ namespace {
 
 constexpr int kTileM = 128;
 constexpr int kTileN = 128;
-constexpr int kTileK = 32;  // two 16-element blocks per stage
-constexpr int kStages = 4;
+constexpr int kTileK = 64;  // four 16-element blocks per stage
+constexpr int kBlocksPerStage = kTileK / 16;
+constexpr int kStages = 3;
 constexpr int kGemmThreads = 256;  // 8 warps: 2 along M x 4 along N
 constexpr int kWarpM = 64;         // each warp: 64 x 32 of the tile
 constexpr int kWarpN = 32;
@@ -67,70 +69,14 @@ struct GroupedGemmArgs {
   bool tokens;
 };
 
-// A tile row's 16-byte chunk c is stored at chunk c ^ ((row / 2) % 4): the 8
-// rows an ldmatrix reads then fall in 8 different bank groups.
+// A tile row (128 bytes) has its 16-byte chunk c at chunk c ^ (row % 8): the
+// 8 rows an ldmatrix reads then fall in 8 different bank groups.
 __device__ __forceinline__ int SwizzledChunk(int row, int chunk) {
-  return chunk ^ ((row >> 1) & 3);
-}
-
-__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes from global memory, or zeros where !valid (src-size 0).
-__device__ __forceinline__ void CopyChunk(uint32_t dst, const void* src,
-                                          bool valid) {
-  const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-               "l"(src), "r"(bytes));
-}
-
-__device__ __forceinline__ void CommitCopies() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int kPending>
-__device__ __forceinline__ void WaitCopies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-__device__ __forceinline__ void LoadMatrices(uint32_t address, uint32_t* r) {
-  asm volatile(
-      "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-      : "r"(address));
-}
-
-__device__ __forceinline__ void Mma(float* c, const uint32_t* a,
-                                    const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-template <typename Out>
-__device__ __forceinline__ void StorePair(Out* p, float x, float y);
-
-template <>
-__device__ __forceinline__ void StorePair(float* p, float x, float y) {
-  *reinterpret_cast<float2*>(p) = make_float2(x, y);
-}
-
-template <>
-__device__ __forceinline__ void StorePair(__nv_bfloat16* p, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
-}
-
-template <>
-__device__ __forceinline__ void StorePair(__half* p, float x, float y) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+  return chunk ^ (row & 7);
 }
 
 // One stage: the tile's rows [row0, row0 + 128) of `view` (valid below
-// row_end), 16-element blocks [block, block + 2) (valid below block_end).
+// row_end), 16-element blocks [block, block + 4) (valid below block_end).
 template <int kRows>
 __device__ __forceinline__ void LoadTile(const OperandView& view,
                                          __nv_bfloat16* tile, int64_t row0,
@@ -202,11 +148,12 @@ __global__ void __launch_bounds__(kGemmThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-  const int64_t steps = (block_end - block0 + 1) / 2;
+  const int64_t steps =
+      (block_end - block0 + kBlocksPerStage - 1) / kBlocksPerStage;
   auto load_stage = [&](int64_t step) {
     __nv_bfloat16* a_tile = smem + (step % kStages) * kStageElements;
     __nv_bfloat16* b_tile = a_tile + kTileM * kTileK;
-    const int64_t block = block0 + 2 * step;
+    const int64_t block = block0 + kBlocksPerStage * step;
     LoadTile<kTileM>(args.a, a_tile, a_row0, a_row_end, block, block_end);
     LoadTile<kTileN>(b, b_tile, b_row0, args.b_rows, block, block_end);
   };
@@ -225,7 +172,7 @@ __global__ void __launch_bounds__(kGemmThreads)
     const __nv_bfloat16* a_tile = smem + (step % kStages) * kStageElements;
     const __nv_bfloat16* b_tile = a_tile + kTileM * kTileK;
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
+    for (int kk = 0; kk < kTileK / 16; ++kk) {
       uint32_t a_frag[4][4], b_frag[4][2];
       const int quad = lane / 8, row8 = lane % 8;
 #pragma unroll

@@ -49,6 +49,7 @@ __all__ = [
     "decode_bf16",
     "decode_bf16_cuda",
     "matmul_bf16",
+    "matmul_values",
     "workspace_bytes",
 ]
 
@@ -98,12 +99,12 @@ def decode_bf16_cuda(codes: jax.Array, scales: jax.Array) -> jax.Array:
     )(codes, scales)
 
 
-def _call_handler(
+def matmul_values(
     a: jax.Array, b: jax.Array, a_amax: jax.Array, b_amax: jax.Array, dtype
 ) -> jax.Array:
-    """The custom call: a bf16 [batch, M, K], b bf16 [1 or batch, N, K], the
-    amaxes float32 [1 or batch] -> out [batch, M, N] of dtype (the workspace
-    result is dropped)."""
+    """The cuBLASLt GEMM on values: a bf16 [batch, M, K], b bf16 [1 or batch,
+    N, K], the amaxes float32 [1 or batch] -> out [batch, M, N] of dtype (the
+    workspace result is dropped)."""
     batch, m, _ = a.shape
     target = GRAPH_TARGET if config.enabled("JAX_NVFP4_GEMM_GRAPHS") else TARGET
     out, _ = jax.ffi.ffi_call(
@@ -150,7 +151,7 @@ def matmul_bf16(
     n = b.shape[1]
     if batch == 0 or m == 0 or n == 0 or k == 0:
         return jnp.zeros((batch, m, n), dtype)  # nothing to multiply
-    return _call_handler(
+    return matmul_values(
         a,
         b,
         jnp.asarray(a_amax, jnp.float32).reshape(-1),

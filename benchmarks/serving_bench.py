@@ -1,0 +1,108 @@
+"""Time the GEMMs of serving: bfloat16 activations by a weight stored in NVFP4.
+
+    python benchmarks/serving_bench.py                       # 4096->14336, 8192->28672
+    python benchmarks/serving_bench.py --shapes 4096x14336 --rows 16,256
+
+For each weight K -> N and each row count M, a jitted loop of --iters GEMMs
+(activations rescaled per iteration so that no GEMM is hoisted, outputs
+summed): the time per GEMM of
+  bf16            jnp.dot of x by the bf16 weight (what serving in bf16 does)
+  w4a16 handler   jax_nvfp4's weight-only GEMM, the weight decoded in
+                  registers (backends/weight_only.py, path "handler")
+  w4a16 decoded   the same product by the weight decoded to bf16 per call and
+                  the cuBLASLt GEMM (path "cublaslt")
+  w4a4            matmul(quantize(x), w): the activations quantized as in
+                  training's FPROP, then the decoding GEMM
+  matmul          what jax_nvfp4.matmul(x, w) dispatches to at this M
+The loop keeps the Python dispatch of each call out of the times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from common import argument_parser, header, parse_shape, write_json
+
+import jax_nvfp4 as nv
+from jax_nvfp4.backends import weight_only
+
+
+def looped(product, iters):
+    """A jitted loop of `iters` products of rescaled x; returns their sum."""
+
+    def run(x, w):
+        def body(i, acc):
+            scale = (1 + i % 3).astype(x.dtype)
+            return acc + product(x * scale, w).astype(jnp.float32)
+
+        n = jax.eval_shape(product, x, w).shape
+        return jax.lax.fori_loop(0, iters, body, jnp.zeros(n, jnp.float32))
+
+    return jax.jit(run)
+
+
+def time_per_gemm(fn, x, w, iters, rounds):
+    jax.block_until_ready(fn(x, w))
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x, w))
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def main(argv=None):
+    parser = argument_parser(__doc__)
+    parser.add_argument("--shapes", default="4096x14336,8192x28672")
+    parser.add_argument("--rows", default="1,16,64,256,1024,2048,8192")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    print(header())
+
+    def w4a16(path):
+        return lambda x, w: weight_only.matmul_w4a16(
+            x, w.codes, w.scales, w.amax, jnp.bfloat16, path=path
+        )
+
+    products = {
+        "bf16": lambda x, w: jnp.dot(x, w[1]),
+        "w4a16 handler": lambda x, w: w4a16("handler")(x, w[0]),
+        "w4a16 decoded": lambda x, w: w4a16("cublaslt")(x, w[0]),
+        "w4a4": lambda x, w: nv.matmul(nv.quantize(x), w[0]),
+        "matmul": lambda x, w: nv.matmul(x, w[0]),
+    }
+    if not weight_only.handler_supported(64, 2):  # e.g. on the CPU
+        for name in ("w4a16 handler", "w4a16 decoded"):
+            del products[name]
+    results = []
+    print(
+        f"{'K -> N':>13s} {'M':>5s} "
+        + " ".join(f"{name:>14s}" for name in products)
+        + "   (us per GEMM; speed-up of w4a16 handler over bf16)"
+    )
+    for shape in args.shapes.split(","):
+        k, n = parse_shape(shape)
+        w_float = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * 0.02
+        w_q = nv.quantize(w_float, axis=0, block="16x16")
+        w_bf16 = nv.dequantize(w_q, jnp.bfloat16)
+        for m in (int(r) for r in args.rows.split(",")):
+            x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+            row = {"k": k, "n": n, "m": m}
+            for name, product in products.items():
+                fn = looped(product, args.iters)
+                row[name] = time_per_gemm(fn, x, (w_q, w_bf16), args.iters, args.rounds)
+            results.append(row)
+            times = " ".join(f"{row[name] * 1e6:14.1f}" for name in products)
+            fastest = row.get("w4a16 handler", row["matmul"])
+            print(f"{k:>6d}->{n:<6d} {m:5d} {times}   {row['bf16'] / fastest:.2f}x")
+    if args.out:
+        write_json(args.out, {"args": vars(args), "results": results})
+
+
+if __name__ == "__main__":
+    main()

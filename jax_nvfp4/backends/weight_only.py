@@ -1,0 +1,88 @@
+"""The weight-only NVFP4 GEMM of serving (W4A16): bfloat16 activations times
+an NVFP4 weight, with the weight decoded inside the GEMM.
+
+  out[m, n] = (amax / 2688) * sum_k x[m, k] * e2m1(w[n, k]) * s[n, k / 16]
+
+x bfloat16 [M, K]; the weight as stored when quantized along K: codes uint8
+[N, K / 2], E4M3 scales [N, K / 16], its amax. Products are exact (e2m1 times
+an E4M3 scale fits bfloat16), sums float32, alpha in the epilogue, one
+rounding to the output dtype.
+
+On GPUs the CUDA handler ``jax_nvfp4_matmul_w4a16`` (ffi/gemm/
+weight_only_gemm.cu) decodes the weight in registers: it reads 4.5 bits per
+weight element and no bfloat16 copy of the weight exists, which is what wins
+at the few rows of x of token-by-token generation. From ``MAX_HANDLER_ROWS``
+rows on, the GEMM is compute-bound and the cuBLASLt bf16 GEMM on the decoded
+weight is faster (``hopper.matmul_values``). The twin of both, and the path
+on the CPU: XLA's dot on the decoded weight (exact products, float32 sums in
+XLA's order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_nvfp4 import config, reference
+from jax_nvfp4.backends import devices, hopper, library
+from jax_nvfp4.format import SCALE_RANGE
+
+__all__ = ["MAX_HANDLER_ROWS", "TARGET", "handler_supported", "matmul_w4a16"]
+
+TARGET = "jax_nvfp4_matmul_w4a16"
+MIN_CAPABILITY = (8, 0)  # bf16 mma.sync
+# Rows of x up to which the handler runs (benchmarks/serving_bench.py).
+MAX_HANDLER_ROWS = 512
+
+
+def handler_supported(k: int, n: int, target: Any = None) -> bool:
+    """Whether the CUDA handler takes a weight [N, K]: compiled in,
+    ``JAX_NVFP4_W4A16_GEMM`` on, every device of compute capability >= 8.0,
+    K a multiple of 64 and N even."""
+    if not config.enabled("JAX_NVFP4_W4A16_GEMM"):
+        return False
+    if TARGET not in library.targets_on("cuda") or k % 64 or n % 2:
+        return False
+    lowered_for = devices.lowering_devices(target)
+    return bool(lowered_for) and devices.all_capable(lowered_for, MIN_CAPABILITY)
+
+
+def _alpha(amax):
+    return reference.divide(amax, jnp.float32(SCALE_RANGE))
+
+
+def matmul_w4a16(
+    x: jax.Array,
+    codes: jax.Array,
+    scales: jax.Array,
+    amax: jax.Array,
+    dtype: Any,
+    *,
+    path: str,
+) -> jax.Array:
+    """x bfloat16 [M, K] times the weight (codes uint8 [N, K/2], scales
+    float8_e4m3fn [N, K/16], amax float32 [1]) -> [M, N] of dtype (bfloat16
+    or float32).
+
+    path: "handler" (the CUDA handler), "cublaslt" (the decoded weight and
+    the cuBLASLt bf16 GEMM with alpha in its epilogue) or "xla" (the twin).
+    """
+    dtype = np.dtype(dtype)
+    amax = jnp.asarray(amax, jnp.float32).reshape(1)
+    if path == "handler":
+        return jax.ffi.ffi_call(
+            TARGET,
+            jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), dtype),
+            vmap_method="sequential",
+        )(x, codes, scales, amax)
+    w = reference.decode_bf16(codes[None], scales[None])[0]
+    if path == "cublaslt":
+        unit = jnp.full((1,), SCALE_RANGE, jnp.float32)  # alpha = amax / 2688
+        return hopper.matmul_values(x[None], w[None], unit, amax, dtype)[0]
+    if path != "xla":
+        raise ValueError(f"path must be 'handler', 'cublaslt' or 'xla', got {path!r}")
+    acc = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+    return (acc * _alpha(amax)).astype(dtype)
