@@ -40,7 +40,7 @@ def _oracle(x, w: NVFP4Tensor, dtype):
     values = reference.decode_bf16(w.codes[None], w.scales[None])[0]
     sums = np.asarray(x, np.float64) @ np.asarray(values, np.float64).T
     alpha = np.float32(w.amax) / np.float32(2688.0)
-    return jnp.asarray((sums.astype(np.float32) * alpha)).astype(dtype)
+    return jnp.asarray(sums.astype(np.float32) * alpha).astype(dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
@@ -51,13 +51,17 @@ def test_matches_exact_sums(rows, dtype):
     got = nv.matmul(x, w, out_dtype=dtype)
     assert got.shape == (*rows, 48) and got.dtype == dtype
     want = _oracle(x.reshape(-1, 192), w, dtype).reshape(*rows, 48)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32), np.asarray(want, np.float32)
+    )
 
 
 def test_is_the_dequantized_weight_product():
     """On real data: x . dequantize(w) up to float32 summation order."""
     x = jax.random.normal(jax.random.key(0), (8, 256), jnp.bfloat16)
-    w = nv.quantize(jax.random.normal(jax.random.key(1), (256, 96)), axis=0, block="16x16")
+    w = nv.quantize(
+        jax.random.normal(jax.random.key(1), (256, 96)), axis=0, block="16x16"
+    )
     got = np.asarray(nv.matmul(x, w, out_dtype=jnp.float32))
     deq = np.asarray(nv.dequantize(w, jnp.float32), np.float64)
     x64 = np.asarray(x, np.float64)
