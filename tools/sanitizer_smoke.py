@@ -116,11 +116,29 @@ def grouped_gemms(key):
     )
 
 
+def w4a16_gemms(key):
+    """The weight-only GEMM handler at every row-tile height, partial tiles
+    in M and N."""
+    from jax_nvfp4.backends import weight_only
+
+    w = nv.quantize(jax.random.normal(key, (192, 130)), axis=0)
+    path = "handler" if weight_only.handler_supported(192, 130) else "xla"
+    outs = []
+    for m in (1, 17, 40, 100):
+        x = jax.random.normal(key, (m, 192), jnp.bfloat16)
+        for dtype in (jnp.bfloat16, jnp.float32):
+            outs.append(
+                weight_only.matmul_w4a16(x, w.codes, w.scales, w.amax, dtype, path=path)
+            )
+    return outs
+
+
 PARTS = {
     "quantize": "quantizations and amax passes in three dtypes",
     "gemm": "4 GEMMs",
     "recipe": "one dot step",
     "grouped": "the grouped GEMM's two forms",
+    "w4a16": "the weight-only GEMM at four row counts",
     "ragged": "one ragged_dot step",
 }
 
@@ -151,6 +169,8 @@ def main(argv=None):
         jax.block_until_ready(recipe_step(key))
     if "grouped" in parts:
         jax.block_until_ready(grouped_gemms(key))
+    if "w4a16" in parts:
+        jax.block_until_ready(w4a16_gemms(key))
     if "ragged" in parts:
         jax.block_until_ready(ragged_step(key))
     print("sanitizer smoke: ran " + "; ".join(PARTS[p] for p in parts))
