@@ -72,7 +72,7 @@ def main(argv=None):
 
     def nvfp4(pairs):
         return [
-            hopper._call_handler(a[None], b[None], amax, amax, jnp.bfloat16)
+            hopper.matmul_values(a[None], b[None], amax, amax, jnp.bfloat16)
             for a, b in pairs
         ]
 

@@ -76,7 +76,7 @@ def main(argv=None):
         "w4a4": lambda x, w: nv.matmul(nv.quantize(x), w[0]),
         "matmul": lambda x, w: nv.matmul(x, w[0]),
     }
-    if not weight_only.handler_supported(64, 2):  # e.g. on the CPU
+    if not weight_only.handler_supported(256, 2):  # e.g. on the CPU
         for name in ("w4a16 handler", "w4a16 decoded"):
             del products[name]
     results = []

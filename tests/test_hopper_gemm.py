@@ -114,7 +114,7 @@ def _emulated_handler(a, b, a_amax, b_amax, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("case", CASES[1:5])
 def test_matmul_bf16_hands_the_handler_its_operands(monkeypatch, case, dtype):
-    monkeypatch.setattr(hopper, "_call_handler", _emulated_handler)
+    monkeypatch.setattr(hopper, "matmul_values", _emulated_handler)
     args = random_operands(4, *case)
     got = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*args)
     exact, bound = exact_result(*args)
@@ -128,7 +128,7 @@ def test_matmul_bf16_skips_empty_problems(monkeypatch):
     def fail(*args):
         raise AssertionError("the handler must not be called")
 
-    monkeypatch.setattr(hopper, "_call_handler", fail)
+    monkeypatch.setattr(hopper, "matmul_values", fail)
     a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = random_operands(5, *CASES[3])
     out = hopper.matmul_bf16(
         a_codes[:, :0], a_scales[:, :0], a_amax, b_codes, b_scales, b_amax,

@@ -86,7 +86,7 @@ def test_bad_input_is_refused_with_what_to_change():
 
 
 needs_handler = pytest.mark.skipif(
-    not (has_gpu() and weight_only.handler_supported(64, 2)),
+    not (has_gpu() and weight_only.handler_supported(256, 2)),
     reason="needs the CUDA W4A16 handler on a GPU",
 )
 
@@ -107,7 +107,7 @@ def _paths(x, w, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 100, 300])
-@pytest.mark.parametrize("n,k", [(64, 64), (130, 192), (512, 4096)])
+@pytest.mark.parametrize("n,k", [(64, 256), (130, 512), (512, 4096)])
 def test_handler_equals_twin_exactly(m, n, k, dtype):
     w = _exact_weight(n, k, seed=m)
     x = _integers((m, k), seed=n)
@@ -133,9 +133,9 @@ def test_handler_on_real_values_within_summation_order():
 @needs_handler
 @pytest.mark.gpu
 def test_matmul_dispatch_on_gpu():
-    """Few rows take the handler, many the cuBLASLt path, K off 64 the
+    """Few rows take the handler, many the cuBLASLt path, K off 256 the
     cuBLASLt path: all equal the exact sums."""
-    for m, k in [(8, 128), (weight_only.MAX_HANDLER_ROWS + 16, 128), (8, 80)]:
+    for m, k in [(8, 256), (weight_only.MAX_HANDLER_ROWS + 16, 256), (8, 80)]:
         w = _exact_weight(64, k, seed=k)
         x = _integers((m, k), seed=m)
         got = jax.jit(lambda x, w: nv.matmul(x, w, out_dtype=jnp.float32))(x, w)

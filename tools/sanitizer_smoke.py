@@ -121,11 +121,11 @@ def w4a16_gemms(key):
     in M and N."""
     from jax_nvfp4.backends import weight_only
 
-    w = nv.quantize(jax.random.normal(key, (192, 130)), axis=0)
-    path = "handler" if weight_only.handler_supported(192, 130) else "xla"
+    w = nv.quantize(jax.random.normal(key, (512, 130)), axis=0)
+    path = "handler" if weight_only.handler_supported(512, 130) else "xla"
     outs = []
     for m in (1, 17, 40, 100):
-        x = jax.random.normal(key, (m, 192), jnp.bfloat16)
+        x = jax.random.normal(key, (m, 512), jnp.bfloat16)
         for dtype in (jnp.bfloat16, jnp.float32):
             outs.append(
                 weight_only.matmul_w4a16(x, w.codes, w.scales, w.amax, dtype, path=path)

@@ -39,9 +39,9 @@ namespace {
 
 constexpr int kTileM = 128;
 constexpr int kTileN = 128;
-constexpr int kTileK = 64;  // four 16-element blocks per stage
+constexpr int kTileK = 32;  // two 16-element blocks per stage
 constexpr int kBlocksPerStage = kTileK / 16;
-constexpr int kStages = 3;
+constexpr int kStages = 4;
 constexpr int kGemmThreads = 256;  // 8 warps: 2 along M x 4 along N
 constexpr int kWarpM = 64;         // each warp: 64 x 32 of the tile
 constexpr int kWarpN = 32;
@@ -69,14 +69,14 @@ struct GroupedGemmArgs {
   bool tokens;
 };
 
-// A tile row (128 bytes) has its 16-byte chunk c at chunk c ^ (row % 8): the
-// 8 rows an ldmatrix reads then fall in 8 different bank groups.
+// A tile row (64 bytes) has its 16-byte chunk c at chunk c ^ ((row / 2) % 4):
+// the 8 rows an ldmatrix reads then fall in 8 different bank groups.
 __device__ __forceinline__ int SwizzledChunk(int row, int chunk) {
-  return chunk ^ (row & 7);
+  return chunk ^ ((row >> 1) & 3);
 }
 
 // One stage: the tile's rows [row0, row0 + 128) of `view` (valid below
-// row_end), 16-element blocks [block, block + 4) (valid below block_end).
+// row_end), 16-element blocks [block, block + 2) (valid below block_end).
 template <int kRows>
 __device__ __forceinline__ void LoadTile(const OperandView& view,
                                          __nv_bfloat16* tile, int64_t row0,

@@ -13,8 +13,11 @@
 // float32; alpha = amax / 2688 (IEEE division) multiplies the sums and they
 // are rounded once to the output type.
 //
-// CTA: kMTiles x 16 rows of x by 64 columns of w, 4 warps of 16 columns each,
-// K in stages of 64 (4 blocks) through a cp.async pipeline. Within a 16-k
+// CTA: kMTiles x 16 rows of x by 64 columns of w; K in stages of 256 (16
+// blocks) through a cp.async pipeline, deep enough in bytes to keep the
+// weight streaming at the few CTAs of a small M. 8 warps: 4 column groups of
+// 16 by 2 halves of each stage's blocks; the halves' sums are added once at
+// the end. Within a 16-k
 // block, mma.sync's k index is permuted so that each lane's four elements are
 // the two adjacent code bytes it reads: lane q (= lane % 4) holds actual
 // elements 4q .. 4q + 3 where the instruction expects 2q, 2q + 1, 2q + 8,
@@ -38,17 +41,17 @@ namespace jax_nvfp4 {
 namespace {
 
 constexpr int kTileN = 64;
-constexpr int kTileK = 64;  // four 16-element blocks per stage
+constexpr int kTileK = 256;  // sixteen 16-element blocks per stage
 constexpr int kBlocksPerStage = kTileK / 16;
-constexpr int kStages = 4;
-constexpr int kThreadsW4 = 128;  // 4 warps x 16 columns
+constexpr int kStages = 3;
+constexpr int kThreadsW4 = 256;  // 8 warps: 4 x 16 columns, 2 halves of K
 
 template <int kMTiles>
 struct Stage {
   static constexpr int kRows = 16 * kMTiles;
-  static constexpr int kXBytes = kRows * kTileK * 2;      // 128-byte rows
-  static constexpr int kCodeBytes = kTileN * kTileK / 2;  // 32-byte rows
-  static constexpr int kScaleBytes = kTileN * kBlocksPerStage;
+  static constexpr int kXBytes = kRows * kTileK * 2;            // 512-byte rows
+  static constexpr int kCodeBytes = kTileN * kTileK / 2;        // 128-byte rows
+  static constexpr int kScaleBytes = kTileN * kBlocksPerStage;  // 16-byte
   static constexpr int kBytes = kXBytes + kCodeBytes + kScaleBytes;
   static constexpr int kSmem = kStages * kBytes;
 };
@@ -62,7 +65,7 @@ struct W4A16Args {
   int64_t m, n, k;
 };
 
-// x's tile rows are 128 bytes; 16-byte chunk c of row r lies at c ^ (r % 8).
+// x's tile rows are 512 bytes; 16-byte chunk c of row r lies at c ^ (r % 8).
 __device__ __forceinline__ int XOffset(int row, int k) {
   return row * kTileK + (((k >> 3) ^ (row & 7)) << 3) + (k & 7);
 }
@@ -75,28 +78,31 @@ __device__ __forceinline__ void LoadStage(const W4A16Args& a,
   __nv_bfloat16* x_tile = reinterpret_cast<__nv_bfloat16*>(stage);
   unsigned char* code_tile = stage + S::kXBytes;
   unsigned char* scale_tile = code_tile + S::kCodeBytes;
-  // x: kRows x 8 chunks of 16 bytes.
-  for (int i = threadIdx.x; i < S::kRows * 8; i += kThreadsW4) {
-    const int row = i / 8, chunk = i % 8;
+  constexpr int kXChunks = kTileK / 8;
+  for (int i = threadIdx.x; i < S::kRows * kXChunks; i += kThreadsW4) {
+    const int row = i / kXChunks, chunk = i % kXChunks;
     const int64_t r = m0 + row;
     const bool valid = r < a.m;
     const __nv_bfloat16* src = valid ? a.x + r * a.k + k0 + chunk * 8 : a.x;
     CopyChunk(SharedAddress(x_tile + XOffset(row, chunk * 8)), src, valid);
   }
-  // codes: 64 rows x 2 chunks; scales: 64 rows x 4 bytes.
-  {
-    const int row = threadIdx.x / 2, chunk = threadIdx.x % 2;
+  // codes: 64 rows x 8 chunks; scales: 64 rows x 1 chunk.
+  constexpr int kCodeChunks = kTileK / 32;
+  for (int i = threadIdx.x; i < kTileN * kCodeChunks; i += kThreadsW4) {
+    const int row = i / kCodeChunks, chunk = i % kCodeChunks;
     const int64_t n = n0 + row;
     const bool valid = n < a.n;
     const uint8_t* src =
         valid ? a.codes + n * (a.k / 2) + k0 / 2 + chunk * 16 : a.codes;
-    CopyChunk(SharedAddress(code_tile + row * 32 + chunk * 16), src, valid);
+    CopyChunk(SharedAddress(code_tile + row * (kTileK / 2) + chunk * 16), src,
+              valid);
   }
   if (threadIdx.x < kTileN) {
     const int64_t n = n0 + threadIdx.x;
     const bool valid = n < a.n;
     const uint8_t* src = valid ? a.scales + n * (a.k / 16) + k0 / 16 : a.scales;
-    CopyWord(SharedAddress(scale_tile + threadIdx.x * 4), src, valid);
+    CopyChunk(SharedAddress(scale_tile + threadIdx.x * kBlocksPerStage), src,
+              valid);
   }
 }
 
@@ -108,6 +114,7 @@ __global__ void __launch_bounds__(kThreadsW4) W4A16Kernel(W4A16Args a) {
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTileN;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int q = lane % 4, g = lane / 4;
+  const int columns = warp % 4, half = warp / 4;
 
   float acc[kMTiles][2][4];
 #pragma unroll
@@ -139,15 +146,17 @@ __global__ void __launch_bounds__(kThreadsW4) W4A16Kernel(W4A16Args a) {
     const unsigned char* code_tile = stage + S::kXBytes;
     const unsigned char* scale_tile = code_tile + S::kCodeBytes;
 #pragma unroll
-    for (int kk = 0; kk < kBlocksPerStage; ++kk) {
+    for (int kh = 0; kh < kBlocksPerStage / 2; ++kh) {
+      const int kk = half * (kBlocksPerStage / 2) + kh;
       uint32_t b[2][2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int col = warp * 16 + 8 * j + g;
+        const int col = columns * 16 + 8 * j + g;
         const uint32_t codes = *reinterpret_cast<const uint16_t*>(
-            code_tile + col * 32 + kk * 8 + 2 * q);
+            code_tile + col * (kTileK / 2) + kk * 8 + 2 * q);
         const uint4 v = DecodeCodes8Bf16(
-            codes, ScaleBf16Pair(E4M3Decode(scale_tile[col * 4 + kk])));
+            codes,
+            ScaleBf16Pair(E4M3Decode(scale_tile[col * kBlocksPerStage + kk])));
         b[j][0] = v.x;  // elements 4q, 4q + 1
         b[j][1] = v.y;  // elements 4q + 2, 4q + 3
       }
@@ -169,21 +178,48 @@ __global__ void __launch_bounds__(kThreadsW4) W4A16Kernel(W4A16Args a) {
     }
   }
   WaitCopies<0>();
+  __syncthreads();  // the pipeline's shared memory is free again
+
+  // The second half's sums join the first's through shared memory.
+  float* partial = reinterpret_cast<float*>(smem) + (columns * 32 + lane);
+  constexpr int kPerLane = kMTiles * 2 * 4;
+  constexpr int kStride = 4 * 32;  // lanes of the 4 column groups
+  if (half == 1) {
+#pragma unroll
+    for (int i = 0; i < kMTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          partial[((i * 2 + j) * 4 + e) * kStride] = acc[i][j][e];
+        }
+  }
+  __syncthreads();
+  if (half == 1) return;
+#pragma unroll
+  for (int i = 0; i < kMTiles; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[i][j][e] += partial[((i * 2 + j) * 4 + e) * kStride];
+      }
+  static_assert(kPerLane * kStride * 4 <= Stage<kMTiles>::kSmem, "fits");
 
   const float alpha = a.amax[0] / kScaleRange;  // IEEE division (no fast-math)
   Out* out = static_cast<Out*>(a.out);
 #pragma unroll
   for (int i = 0; i < kMTiles; ++i) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t r = m0 + 16 * i + g + 8 * half;
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r = m0 + 16 * i + g + 8 * h;
       if (r >= a.m) continue;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int64_t n = n0 + warp * 16 + 8 * j + 2 * q;
+        const int64_t n = n0 + columns * 16 + 8 * j + 2 * q;
         if (n >= a.n) continue;  // N is even: n + 1 < N too
-        StorePair(out + r * a.n + n, acc[i][j][2 * half] * alpha,
-                  acc[i][j][2 * half + 1] * alpha);
+        StorePair(out + r * a.n + n, acc[i][j][2 * h] * alpha,
+                  acc[i][j][2 * h + 1] * alpha);
       }
     }
   }
@@ -211,8 +247,7 @@ ffi::Error LaunchFor(cudaStream_t stream, const W4A16Args& a) {
   // takes taller tiles.
   if (a.m <= 16) return Launch<1, Out>(stream, a);
   if (a.m <= 32) return Launch<2, Out>(stream, a);
-  if (a.m <= 64) return Launch<4, Out>(stream, a);
-  return Launch<8, Out>(stream, a);
+  return Launch<4, Out>(stream, a);
 }
 
 ffi::Error MatmulW4A16Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
@@ -241,8 +276,8 @@ ffi::Error MatmulW4A16Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   a.k = xd[1];
   if (a.k % kTileK != 0 || a.n % 2 != 0) {
     return InvalidArgument(
-        "matmul_w4a16 needs K a multiple of 64 and N even (jax_nvfp4 runs the "
-        "decoding GEMM otherwise)");
+        "matmul_w4a16 needs K a multiple of 256 and N even (jax_nvfp4 runs "
+        "the decoding GEMM otherwise)");
   }
   if (!IsAligned(a.x, 16) || !IsAligned(a.codes, 16) ||
       !IsAligned(a.scales, 4) || !IsAligned(a.out, 8)) {

@@ -34,17 +34,19 @@ __all__ = ["MAX_HANDLER_ROWS", "TARGET", "handler_supported", "matmul_w4a16"]
 
 TARGET = "jax_nvfp4_matmul_w4a16"
 MIN_CAPABILITY = (8, 0)  # bf16 mma.sync
-# Rows of x up to which the handler runs (benchmarks/serving_bench.py).
-MAX_HANDLER_ROWS = 512
+# Rows of x up to which the handler runs (benchmarks/serving_bench.py): its
+# tiles hold at most 64 rows; past that the GEMM is compute-bound and the
+# cuBLASLt path is faster.
+MAX_HANDLER_ROWS = 64
 
 
 def handler_supported(k: int, n: int, target: Any = None) -> bool:
     """Whether the CUDA handler takes a weight [N, K]: compiled in,
     ``JAX_NVFP4_W4A16_GEMM`` on, every device of compute capability >= 8.0,
-    K a multiple of 64 and N even."""
+    K a multiple of 256 and N even."""
     if not config.enabled("JAX_NVFP4_W4A16_GEMM"):
         return False
-    if TARGET not in library.targets_on("cuda") or k % 64 or n % 2:
+    if TARGET not in library.targets_on("cuda") or k % 256 or n % 2:
         return False
     lowered_for = devices.lowering_devices(target)
     return bool(lowered_for) and devices.all_capable(lowered_for, MIN_CAPABILITY)
