@@ -270,6 +270,7 @@ def run_training(
     flops_per_token: float,
     eval_loss: Callable[[Any, jax.Array], jax.Array] | None = None,
     schedule: Callable[[int], Any] | None = None,
+    on_done: Callable[[Any], None] | None = None,
 ) -> list[dict]:
     """Trains for ``args.steps`` steps and records the run.
 
@@ -284,6 +285,7 @@ def run_training(
       eval_loss: optional jitted ``(state, batch) -> loss`` for the held-out
         split, run every ``args.eval_every`` steps and after the last step.
       schedule: optional learning-rate schedule, only for the CSV.
+      on_done: optional, called with the final state after the last step.
 
     Every ``args.log_every`` steps a row is printed and appended to the CSV:
     the step's loss, the mean training loss since the previous row, the
@@ -374,6 +376,8 @@ def run_training(
             timed_steps = 0
     progress.close()
     print(f"{label}: wrote {csv_path}", flush=True)
+    if on_done is not None:
+        on_done(state)
     return records
 
 

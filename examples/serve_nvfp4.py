@@ -1,0 +1,267 @@
+"""Train, export, reload and serve the example Llama in NVFP4 weights.
+
+    python examples/serve_nvfp4.py                       # 200 steps, then generate
+    python examples/serve_nvfp4.py --steps 50 --prompt "WATER, n."
+
+1. Trains examples/llama_equinox.py's model with the NVFP4 recipe (the MLP
+   projections of all blocks but the last in NVFP4, the rest bf16).
+2. Names its weights as Hugging Face's Llama does (``model.layers.0.mlp.
+   up_proj.weight``, ``[out, in]``) and records the activation amax of each
+   NVFP4 projection over a few held-out batches (``checkpoint.calibrate``).
+3. Exports a ModelOpt NVFP4 checkpoint (``checkpoint.export_nvfp4``: what
+   vLLM, SGLang and TensorRT-LLM load), imports it back
+   (``checkpoint.import_nvfp4``) and checks that its FP4 bytes are those the
+   training forward pass used (``quantize`` of the bf16 weight in 16x16
+   tiles).
+4. Serves from the imported tensors: each NVFP4 projection is
+   ``jax_nvfp4.matmul(x, w)`` with bfloat16 activations (W4A16; on GPUs the
+   weight is decoded inside the GEMM), the other layers bf16. It prints how
+   far the serving logits are from (a) the same forward with the weights
+   dequantized and multiplied by XLA (the same products; float32 summation
+   order and where alpha is applied differ) and (b) the training-time
+   forward, which quantizes the activations too (W4A4), then generates text
+   greedily from --prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_equinox  # noqa: E402
+import train_common  # noqa: E402
+
+import jax_nvfp4 as nv  # noqa: E402
+import jax_nvfp4.equinox as nveqx  # noqa: E402
+from jax_nvfp4 import checkpoint  # noqa: E402
+from jax_nvfp4.format import NVFP4Tensor  # noqa: E402
+
+# The example's module paths -> Hugging Face Llama's, per block.
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn.q_proj": "self_attn.q_proj",
+    "attn.k_proj": "self_attn.k_proj",
+    "attn.v_proj": "self_attn.v_proj",
+    "attn.o_proj": "self_attn.o_proj",
+    "mlp_norm": "post_attention_layernorm",
+    "mlp.gate_proj": "mlp.gate_proj",
+    "mlp.up_proj": "mlp.up_proj",
+    "mlp.down_proj": "mlp.down_proj",
+}
+
+
+def _get(tree, path: str):
+    for part in path.split("."):
+        tree = getattr(tree, part)
+    return tree
+
+
+def hf_weights(model: llama_equinox.Llama) -> tuple[dict, set[str]]:
+    """({Hugging Face tensor name: bf16 array}, the module names trained in
+    NVFP4) of a (converted) example model; weights are [out, in] as in
+    Equinox. The bf16 values are what the training forward pass multiplies
+    (``llama_equinox.to_bf16``)."""
+    model = llama_equinox.to_bf16(model)
+    weights = {
+        "model.embed_tokens.weight": model.embed.weight,
+        "model.norm.weight": model.norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+    }
+    nvfp4 = set()
+    first = 0
+    for stack in (model.layers, model.tail):
+        if stack is None:
+            continue
+        count = llama_equinox._stack_size(stack)
+        for ours, theirs in BLOCK_NAMES.items():
+            layer = _get(stack, ours)
+            for i in range(count):
+                module = f"model.layers.{first + i}.{theirs}"
+                weights[module + ".weight"] = layer.weight[i]
+                if isinstance(layer, nveqx.Linear) and (
+                    layer.nvfp4 is None or bool(layer.nvfp4[i])
+                ):
+                    nvfp4.add(module)
+        first += count
+    return weights, nvfp4
+
+
+def _rms_norm(x, weight, eps=1e-6):
+    x32 = x.astype(jnp.float32)
+    scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * scale * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def forward(weights: dict, tokens: jax.Array, heads: int, record=None, dense=False):
+    """Logits float32 [S, 256] of one example from Hugging Face-named tensors.
+
+    A ``.weight`` that is an NVFP4Tensor runs ``jax_nvfp4.matmul(x, w)``
+    (W4A16), or with ``dense`` the product by its dequantized values through
+    XLA; others a bf16 GEMM. ``record(name, x)`` (``checkpoint.calibrate``)
+    sees each linear layer's input."""
+
+    def linear(name, x):
+        if record is not None:
+            x = record(name, x)
+        w = weights[name + ".weight"]
+        if isinstance(w, NVFP4Tensor):
+            if not dense:
+                return nv.matmul(x, w)
+            w = nv.dequantize(w, jnp.float32)  # [N, K]
+            return jnp.dot(x.astype(jnp.float32), w.T, precision="highest").astype(
+                jnp.bfloat16
+            )
+        return jnp.dot(x, w.T.astype(x.dtype))
+
+    layers = 1 + max(
+        int(name.split(".")[2]) for name in weights if name.startswith("model.layers.")
+    )
+    x = weights["model.embed_tokens.weight"].astype(jnp.bfloat16)[tokens]
+    s, d = x.shape
+    cos, sin = llama_equinox.rope_tables(s, d // heads)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        h = _rms_norm(x, weights[p + "input_layernorm.weight"])
+        q, k, v = (
+            linear(p + f"self_attn.{n}_proj", h).reshape(s, heads, d // heads)
+            for n in "qkv"
+        )
+        q = llama_equinox.apply_rope(q, cos, sin)
+        k = llama_equinox.apply_rope(k, cos, sin)
+        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(s, d)
+        x = x + linear(p + "self_attn.o_proj", attn)
+        h = _rms_norm(x, weights[p + "post_attention_layernorm.weight"])
+        gate, up = linear(p + "mlp.gate_proj", h), linear(p + "mlp.up_proj", h)
+        x = x + linear(p + "mlp.down_proj", jax.nn.silu(gate) * up)
+    x = _rms_norm(x, weights["model.norm.weight"])
+    return linear("lm_head", x).astype(jnp.float32)
+
+
+def generate(weights: dict, prompt: bytes, new_tokens: int, heads: int) -> bytes:
+    """Greedy decoding (the whole window recomputed per token: no KV cache)."""
+    step = jax.jit(lambda w, t: jnp.argmax(forward(w, t, heads)[-1]))
+    tokens = list(prompt)
+    for _ in range(new_tokens):
+        tokens.append(int(step(weights, jnp.asarray(tokens, jnp.int32))))
+    return bytes(tokens)
+
+
+def train(args) -> llama_equinox.Llama:
+    """The example's NVFP4 training run; returns the trained model."""
+    model, optimizer, _, _ = llama_equinox.build(args)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit(donate="all")
+    def train_step(state, batch, key):
+        model, opt_state = state
+
+        def loss_of(model):
+            return llama_equinox.loss_fn(llama_equinox.to_bf16(model), batch, key)
+
+        loss, grads = eqx.filter_value_and_grad(loss_of)(model)
+        updates, opt_state = optimizer.update(
+            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+        )
+        return (eqx.apply_updates(model, updates), opt_state), loss
+
+    final = []
+    train_common.run_training(
+        label="serve_nvfp4",
+        args=args,
+        train_step=train_step,
+        state=(model, opt_state),
+        flops_per_token=train_common.llama_flops_per_token(
+            d_model=args.d_model, layers=args.layers, ffn=args.ffn, seq_len=args.seq_len
+        ),
+        on_done=final.append,
+    )
+    return final[0][0]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    train_common.add_common_flags(parser)
+    parser.set_defaults(precision="nvfp4", steps=200, keep_last=1)
+    parser.add_argument("--prompt", default="WATER, n.", help="text to continue")
+    parser.add_argument("--new-tokens", type=int, default=64, help="bytes to generate")
+    parser.add_argument(
+        "--export-dir", default=None, help="checkpoint folder (default: a temp dir)"
+    )
+    args = parser.parse_args(argv)
+    args.attention, args.remat = None, "fp4"
+
+    model = train(args)
+    weights, nvfp4 = hf_weights(model)
+    _, held_out = train_common.load_splits(args)
+    windows = train_common.eval_batches(held_out, 1, args.seq_len, 4)
+
+    def record_inputs(batch, record):
+        return forward(weights, jnp.asarray(batch[0, :-1]), args.heads, record)
+
+    input_amax = checkpoint.calibrate(record_inputs, windows)
+    directory = args.export_dir or tempfile.mkdtemp(prefix="serve_nvfp4_")
+    checkpoint.export_nvfp4(weights, directory, nvfp4=nvfp4, input_amax=input_amax)
+    loaded = checkpoint.import_nvfp4(directory)
+    served = {
+        **loaded.tensors,
+        **{m + ".weight": w for m, w in loaded.quantized.items()},
+    }
+    served = {
+        k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in served.items()
+    }
+
+    # The FP4 bytes are training's: FPROP quantizes the bf16 weight [in, out]
+    # along `in` in 16x16 tiles.
+    same_bytes = all(
+        np.array_equal(
+            np.asarray(loaded.quantized[m].codes),
+            np.asarray(
+                nv.quantize(weights[m + ".weight"].T, axis=0, block="16x16").codes
+            ),
+        )
+        for m in sorted(nvfp4)
+    )
+    tokens = jnp.asarray(
+        train_common.eval_batches(held_out, 1, args.seq_len, 1)[0][0, :-1]
+    )
+    logits = jax.jit(lambda w, t: forward(w, t, args.heads))(served, tokens)
+    dense = jax.jit(lambda w, t: forward(w, t, args.heads, dense=True))(served, tokens)
+    trained = llama_equinox.to_bf16(eqx.nn.inference_mode(model))(tokens)
+    scale = float(jnp.abs(dense).max())
+    result = {
+        "checkpoint": directory,
+        "nvfp4_layers": len(nvfp4),
+        "same_fp4_bytes": same_bytes,
+        "max_diff_vs_dequantized": float(jnp.abs(logits - dense).max()) / scale,
+        "max_diff_vs_training_forward": float(jnp.abs(logits - trained).max()) / scale,
+        "top1_agreement_vs_training_forward": float(
+            jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(trained, -1))
+        ),
+    }
+    text = generate(served, args.prompt.encode(), args.new_tokens, args.heads)
+    result["generated"] = text.decode("utf-8", errors="replace")
+    print(f"checkpoint: {directory} ({len(nvfp4)} NVFP4 layers, the rest bf16)")
+    print(f"FP4 weight bytes equal training's FPROP bytes: {same_bytes}")
+    print(
+        "serving logits vs the dequantized weights through XLA: max |diff| "
+        f"{result['max_diff_vs_dequantized']:.2e} of the largest logit"
+    )
+    print(
+        "serving logits (W4A16) vs the training forward (W4A4): max |diff| "
+        f"{result['max_diff_vs_training_forward']:.2e} of the largest logit, "
+        f"top-1 agreement {result['top1_agreement_vs_training_forward']:.1%}"
+    )
+    print(f"greedy: {result['generated']!r}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
