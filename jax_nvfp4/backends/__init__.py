@@ -1,7 +1,12 @@
 """Device choice and backend code: ``library`` (the compiled handlers),
 ``devices`` (what the lowered-for devices can do), ``hopper`` (the exact bf16
-cuBLASLt GEMM for GPUs without FP4 tensor cores) and ``blackwell`` (the
-native FP4 GEMM). Only the primitive layer, ``jax_nvfp4.ops``, uses them."""
+cuBLASLt GEMM for GPUs without FP4 tensor cores), ``blackwell`` (the native
+FP4 GEMM), ``grouped_gemm`` (``ragged_dot``'s GEMM on GPUs) and
+``weight_only`` (``matmul`` of bf16 activations by an NVFP4 weight). The
+primitive layer (``jax_nvfp4.ops``) uses the first four; ``grouped.py`` and
+``matmul.py`` the last two, which are custom calls of their own (no
+primitive: no partitioning rule, so under a sharded ``jit`` they run on
+gathered operands)."""
 
 
 def export_safety_checks() -> list:
