@@ -62,6 +62,13 @@ def _per_position(layer, x: jax.Array, key: jax.Array | None) -> jax.Array:
     return jax.vmap(lambda v: layer(v, key=key))(x)
 
 
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / rms(x) * weight along the last axis, in float32, back to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * scale * weight.astype(jnp.float32)).astype(x.dtype)
+
+
 class RMSNorm(eqx.Module):
     weight: jax.Array
     eps: float = eqx.field(static=True)
@@ -71,9 +78,7 @@ class RMSNorm(eqx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale * self.weight.astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0):
@@ -315,6 +320,27 @@ def loss_fn(model, batch: jax.Array, key: jax.Array | None) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def make_train_step(optimizer):
+    """The jitted training step ``((model, opt_state), batch, key) ->
+    ((model, opt_state), loss)``: the loss of the bf16 compute copy, its
+    gradients to the float32 master weights, one optimizer update."""
+
+    @eqx.filter_jit(donate="all")
+    def train_step(state, batch, key):
+        model, opt_state = state
+
+        def loss_of(model):
+            return loss_fn(to_bf16(model), batch, key)
+
+        loss, grads = eqx.filter_value_and_grad(loss_of)(model)
+        updates, opt_state = optimizer.update(
+            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+        )
+        return (eqx.apply_updates(model, updates), opt_state), loss
+
+    return train_step
+
+
 def build(args: argparse.Namespace):
     """(model, optimizer, schedule, policy or None) for the flags."""
     # The last --keep-last blocks are the model's tail stack, kept in bf16
@@ -398,20 +424,7 @@ def main(argv=None) -> list[dict]:
     )
 
     opt_state = optimizer.init(params)
-
-    @eqx.filter_jit(donate="all")
-    def train_step(state, batch, key):
-        model, opt_state = state
-
-        def loss_of(model):
-            return loss_fn(to_bf16(model), batch, key)
-
-        loss, grads = eqx.filter_value_and_grad(loss_of)(model)
-        updates, opt_state = optimizer.update(
-            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
-        )
-        model = eqx.apply_updates(model, updates)
-        return (model, opt_state), loss
+    train_step = make_train_step(optimizer)
 
     @eqx.filter_jit
     def eval_loss(state, batch):

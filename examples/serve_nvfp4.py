@@ -94,12 +94,6 @@ def hf_weights(model: llama_equinox.Llama) -> tuple[dict, set[str]]:
     return weights, nvfp4
 
 
-def _rms_norm(x, weight, eps=1e-6):
-    x32 = x.astype(jnp.float32)
-    scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * scale * weight.astype(jnp.float32)).astype(x.dtype)
-
-
 def forward(weights: dict, tokens: jax.Array, heads: int, record=None, dense=False):
     """Logits float32 [S, 256] of one example from Hugging Face-named tensors.
 
@@ -129,7 +123,7 @@ def forward(weights: dict, tokens: jax.Array, heads: int, record=None, dense=Fal
     cos, sin = llama_equinox.rope_tables(s, d // heads)
     for i in range(layers):
         p = f"model.layers.{i}."
-        h = _rms_norm(x, weights[p + "input_layernorm.weight"])
+        h = llama_equinox.rms_norm(x, weights[p + "input_layernorm.weight"])
         q, k, v = (
             linear(p + f"self_attn.{n}_proj", h).reshape(s, heads, d // heads)
             for n in "qkv"
@@ -138,10 +132,10 @@ def forward(weights: dict, tokens: jax.Array, heads: int, record=None, dense=Fal
         k = llama_equinox.apply_rope(k, cos, sin)
         attn = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(s, d)
         x = x + linear(p + "self_attn.o_proj", attn)
-        h = _rms_norm(x, weights[p + "post_attention_layernorm.weight"])
+        h = llama_equinox.rms_norm(x, weights[p + "post_attention_layernorm.weight"])
         gate, up = linear(p + "mlp.gate_proj", h), linear(p + "mlp.up_proj", h)
         x = x + linear(p + "mlp.down_proj", jax.nn.silu(gate) * up)
-    x = _rms_norm(x, weights["model.norm.weight"])
+    x = llama_equinox.rms_norm(x, weights["model.norm.weight"])
     return linear("lm_head", x).astype(jnp.float32)
 
 
@@ -158,25 +152,11 @@ def train(args) -> llama_equinox.Llama:
     """The example's NVFP4 training run; returns the trained model."""
     model, optimizer, _, _ = llama_equinox.build(args)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-
-    @eqx.filter_jit(donate="all")
-    def train_step(state, batch, key):
-        model, opt_state = state
-
-        def loss_of(model):
-            return llama_equinox.loss_fn(llama_equinox.to_bf16(model), batch, key)
-
-        loss, grads = eqx.filter_value_and_grad(loss_of)(model)
-        updates, opt_state = optimizer.update(
-            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
-        )
-        return (eqx.apply_updates(model, updates), opt_state), loss
-
     final = []
     train_common.run_training(
         label="serve_nvfp4",
         args=args,
-        train_step=train_step,
+        train_step=llama_equinox.make_train_step(optimizer),
         state=(model, opt_state),
         flops_per_token=train_common.llama_flops_per_token(
             d_model=args.d_model, layers=args.layers, ffn=args.ffn, seq_len=args.seq_len

@@ -270,14 +270,6 @@ def _sums(implementation, a_values, a_scales, b_values, b_scales):
     return _in_order_sums(a, b)
 
 
-def _ragged_numbers(lhs_contracting, rhs_contracting, rhs_group):
-    return lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((lhs_contracting,), (rhs_contracting,)), ((), ())),
-        lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=rhs_group,
-    )
-
-
 def _rows_gemm(a: _Operand, b: _Operand, groups, recipe, gemm, out_dtype):
     """Row-grouped: a's buffer rows [1, buffer rows, k] of group g times b[g]
     (stored [G, n, k]) -> [T, n] of ``out_dtype`` in x's row order."""
@@ -363,7 +355,7 @@ def _plain_rows(a, w, group_sizes, out_dtype=None, *, transpose_w=False):
         a,
         w,
         group_sizes,
-        _ragged_numbers(1, 2 if transpose_w else 1, [0]),
+        grouped_gemm.ragged_numbers(1, 2 if transpose_w else 1, [0]),
         preferred_element_type=out_dtype,
     )
 
@@ -443,7 +435,7 @@ def _ragged_bwd(recipe, static, residuals, dy):
             x_saved,
             dy.astype(x_saved.dtype),
             group_sizes,
-            _ragged_numbers(0, 0, []),
+            grouped_gemm.ragged_numbers(0, 0, []),
         )
     return dx.astype(in_dtype), dw.astype(in_dtype), None, None
 

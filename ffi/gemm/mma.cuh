@@ -25,14 +25,6 @@ __device__ __forceinline__ void CopyChunk(uint32_t dst, const void* src,
                "l"(src), "r"(bytes));
 }
 
-// 4 bytes likewise (through L1: cp.async.cg takes 16-byte copies only).
-__device__ __forceinline__ void CopyWord(uint32_t dst, const void* src,
-                                         bool valid) {
-  const int bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst),
-               "l"(src), "r"(bytes));
-}
-
 __device__ __forceinline__ void CommitCopies() {
   asm volatile("cp.async.commit_group;\n" ::);
 }

@@ -33,7 +33,14 @@ from jax import lax
 from jax_nvfp4 import config
 from jax_nvfp4.backends import devices, library
 
-__all__ = ["MIN_CAPABILITY", "TARGET", "handler_supported", "rows", "tokens"]
+__all__ = [
+    "MIN_CAPABILITY",
+    "TARGET",
+    "handler_supported",
+    "ragged_numbers",
+    "rows",
+    "tokens",
+]
 
 TARGET = "jax_nvfp4_grouped_gemm_bf16"
 MIN_CAPABILITY = (8, 0)  # bf16 mma.sync (Ampere and later)
@@ -52,7 +59,10 @@ def handler_supported(target: Any = None) -> bool:
     return bool(lowered_for) and devices.all_capable(lowered_for, MIN_CAPABILITY)
 
 
-def _numbers(lhs_contracting: int, rhs_contracting: int, rhs_group: list[int]):
+def ragged_numbers(lhs_contracting: int, rhs_contracting: int, rhs_group: list[int]):
+    """``lax.ragged_dot_general``'s dimension numbers: x's rows ragged, no
+    batch axes; ``rhs_group`` [0] for a group axis of the rhs, [] when the
+    contraction is the ragged axis."""
     return lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((lhs_contracting,), (rhs_contracting,)), ((), ())),
         lhs_ragged_dimensions=[0],
@@ -93,7 +103,7 @@ def rows(
         shape = (a.shape[0], b.shape[1])
         return _call(a, b, sizes, alpha, shape, dtype, tokens_form=False)
     acc = lax.ragged_dot_general(
-        a, b, sizes, _numbers(1, 2, [0]), preferred_element_type=jnp.float32
+        a, b, sizes, ragged_numbers(1, 2, [0]), preferred_element_type=jnp.float32
     )
     row_group = jnp.searchsorted(
         jnp.cumsum(sizes), jnp.arange(a.shape[0], dtype=sizes.dtype), side="right"
@@ -125,7 +135,7 @@ def tokens(
         _token_major(a),
         _token_major(b),
         sizes,
-        _numbers(0, 0, []),
+        ragged_numbers(0, 0, []),
         preferred_element_type=jnp.float32,
     )
     return (acc * alpha[:, None, None]).astype(dtype)
