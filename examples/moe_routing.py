@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+import jax_nvfp4 as nv
 
 
 def route(tokens: jax.Array, logits: jax.Array, top_k: int):
@@ -22,7 +25,12 @@ def route(tokens: jax.Array, logits: jax.Array, top_k: int):
     """
     experts = logits.shape[-1]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, chosen = jax.lax.top_k(probs, top_k)  # [T, top_k]
+    # The choice is labelled for remat policies (nv.save_fp4_residuals keeps
+    # it): the backward pass must route as the forward pass did, since the
+    # experts' FP4 residuals are laid out by that routing; recomputed, a
+    # token near a tie may choose another expert.
+    chosen = checkpoint_name(jax.lax.top_k(probs, top_k)[1], nv.ROUTING)
+    weights = jnp.take_along_axis(probs, chosen, axis=-1)  # [T, top_k]
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)

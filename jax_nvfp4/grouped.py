@@ -400,6 +400,9 @@ def _ragged_fwd(x, w, group_sizes, words, recipe, static):
         _named(x_cols, X_RESIDUAL) if recipe.wgrad else x,
         _named(w_along_n, W_RESIDUAL) if recipe.dgrad else w,
         group_sizes,
+        # The sizes x's residual was laid out with, kept (or recomputed)
+        # exactly when it is: see _ragged_bwd.
+        _named(group_sizes, X_RESIDUAL) if recipe.wgrad else group_sizes,
         words,
     )
     return out, residuals
@@ -407,7 +410,7 @@ def _ragged_fwd(x, w, group_sizes, words, recipe, static):
 
 def _ragged_bwd(recipe, static, residuals, dy):
     in_dtype, _, gemm = static
-    x_saved, w_saved, group_sizes, words = residuals
+    x_saved, w_saved, group_sizes, x_sizes, words = residuals
     count = group_sizes.shape[0]
     groups = _groups(group_sizes, dy.shape[0])
     dy_rows, dy_cols = _quantize_tokens(
@@ -430,6 +433,13 @@ def _ragged_bwd(recipe, static, residuals, dy):
         )
     if recipe.wgrad:
         dw = _tokens_gemm(x_saved, dy_cols, groups, recipe, gemm, in_dtype)
+        # A remat policy may keep x's residual from the forward pass while
+        # the routing, and so dY's row order, is recomputed; if the
+        # recomputation routed differently (a token near a tie), x's rows no
+        # longer meet their own tokens' dY rows. Different group sizes show
+        # it: dw is then NaN, never silently wrong. (Keeping the routing,
+        # jax_nvfp4.ROUTING, prevents it.)
+        dw = jnp.where(jnp.all(x_sizes == group_sizes), dw, jnp.nan)
     else:
         dw = lax.ragged_dot_general(
             x_saved,

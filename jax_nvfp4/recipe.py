@@ -42,6 +42,7 @@ __all__ = [
     "NVFP4_NO_SR",
     "OUTPUT",
     "Recipe",
+    "ROUTING",
     "W_RESIDUAL",
     "X_RESIDUAL",
     "save_fp4_residuals",
@@ -291,11 +292,20 @@ W_RESIDUAL = "nvfp4_w"
 # (save_only_these_names(X_RESIDUAL, W_RESIDUAL, OUTPUT)).
 OUTPUT = "nvfp4_output"
 
+# The label of a mixture-of-experts block's routing decisions (the experts
+# each token chose). A policy that keeps the FP4 residuals must keep these
+# too: ragged_dot's x residual is laid out by the forward pass's routing, and
+# a recomputed routing may choose differently for a token near a tie (XLA
+# need not round the recomputation as it rounded the forward pass), which
+# would pair WGRAD's saved x rows with other tokens' dY rows.
+ROUTING = "nvfp4_routing"
+
 # A jax.checkpoint policy that keeps exactly the recipe's FP4 residuals (x's
-# column-wise copy and w's copy, with their scales and amaxes) and recomputes
-# everything else: the backward pass then quantizes neither x nor w again.
+# column-wise copy and w's copy, with their scales and amaxes) and the
+# routing decisions labelled ROUTING, and recomputes everything else: the
+# backward pass then quantizes neither x nor w again.
 save_fp4_residuals = jax.checkpoint_policies.save_only_these_names(
-    X_RESIDUAL, W_RESIDUAL
+    X_RESIDUAL, W_RESIDUAL, ROUTING
 )
 
 

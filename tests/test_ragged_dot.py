@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import outlier_data
+from jax.ad_checkpoint import checkpoint_name
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import grouped
@@ -303,6 +304,58 @@ def test_remat_keeps_fp4_residuals():
     remat = jax.checkpoint(loss, policy=nv.save_fp4_residuals)
     want = jax.jit(jax.grad(loss, (0, 1)))(x, w)
     got = jax.jit(jax.grad(remat, (0, 1)))(x, w)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _routed_loss(route_calls, named):
+    """A block routing each of 64 tokens to one of 4 experts by a router that
+    answers differently after its first call (the forward pass's routing
+    against a recomputation's that rounded differently), with the choice
+    labelled ROUTING when ``named``."""
+    x = outlier_data(31, (64, K), jnp.float32)
+    w = (outlier_data(32, (4, K, N), jnp.float32) * 0.1).astype(jnp.float32)
+    first = np.arange(64, dtype=np.int32) % 4
+    later = np.where(np.arange(64) == 5, 2, first).astype(np.int32)  # 1 -> 2
+
+    def router(_):
+        route_calls.append(1)
+        return first if len(route_calls) == 1 else later
+
+    def loss(x, w):
+        spec = jax.ShapeDtypeStruct((64,), jnp.int32)
+        chosen = jax.pure_callback(router, spec, jax.lax.stop_gradient(x))
+        if named:
+            chosen = checkpoint_name(chosen, nv.ROUTING)
+        order = jnp.argsort(chosen, stable=True)
+        sizes = jnp.bincount(chosen, length=4).astype(jnp.int32)
+        y = nv.ragged_dot(x[order], w, sizes, recipe=nv.NVFP4_NO_SR)
+        return jnp.sum(y * jnp.cos(jnp.arange(N, dtype=jnp.float32)))
+
+    return loss, x, w
+
+
+def test_recomputed_routing_differs_from_the_residuals():
+    """Under jax.checkpoint with save_fp4_residuals, x's residual is laid out
+    by the forward pass's routing. A recomputed routing that differs gives
+    NaN weight gradients, not a silently wrong sum; with the routing
+    labelled ROUTING the policy keeps it, the router runs once, and the
+    gradients are those of the block without remat."""
+    calls = []
+    loss, x, w = _routed_loss(calls, named=False)
+    remat = jax.checkpoint(loss, policy=nv.save_fp4_residuals)
+    dx, dw = jax.grad(remat, (0, 1))(x, w)
+    assert len(calls) == 2  # forward, then the backward's recomputation
+    assert np.isnan(np.asarray(dw)).all()
+    assert np.isfinite(np.asarray(dx)).all()  # DGRAD needs no x residual
+
+    calls = []
+    loss, x, w = _routed_loss(calls, named=True)
+    remat = jax.checkpoint(loss, policy=nv.save_fp4_residuals)
+    got = jax.grad(remat, (0, 1))(x, w)
+    assert len(calls) == 1
+    calls.clear()  # the same routing again, without remat
+    want = jax.grad(loss, (0, 1))(x, w)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
 
