@@ -127,6 +127,26 @@ auto MatmulFp4Binding(Binder binder) {
                                               // cuBLASLt's
 }
 
+// jax_nvfp4_grouped_gemm_fp4_sm100 (CUDA, cuBLASLt on Blackwell): ragged_dot's
+// GEMMs on FP4 codes, one launch per group (gemm/fp4_grouped_gemm_plan.h).
+template <typename Binder>
+auto GroupedGemmFp4Binding(Binder binder) {
+  return std::move(binder)
+      .template Arg<ffi::Buffer<ffi::U8>>()   // a codes: rows [R, K/2];
+                                              // tokens [M, R/2]
+      .template Arg<ffi::Buffer<ffi::U8>>()   // a scales, swizzled
+      .template Arg<ffi::Buffer<ffi::U8>>()   // b codes: rows [G, N, K/2];
+                                              // tokens [N, R/2]
+      .template Arg<ffi::Buffer<ffi::U8>>()   // b scales, swizzled
+      .template Arg<ffi::Buffer<ffi::S32>>()  // padded group sizes [G]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // a amax [G]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // b amax [G]
+      .template Ret<ffi::AnyBuffer>()         // rows [R, N]; tokens [G, M, N]
+      .template Ret<ffi::Buffer<ffi::U8>>()   // workspace: beta, alphas,
+                                              // cuBLASLt's
+      .template Attr<bool>("tokens");         // the form: rows or tokens
+}
+
 // jax_nvfp4_grouped_gemm_bf16 (CUDA): ragged_dot's grouped GEMM on decoded
 // operands (ffi/gemm/grouped_gemm.cu).
 template <typename Binder>

@@ -13,6 +13,7 @@
 #include "cuda/fused_quantize_rule.h"
 #include "gemm/bf16_gemm_plan.h"
 #include "gemm/fp4_gemm_plan.h"
+#include "gemm/fp4_grouped_gemm_plan.h"
 #include "numerics/scale_layout.h"
 #include "targets.h"
 #include "xla/ffi/api/c_api.h"
@@ -114,6 +115,55 @@ NB_MODULE(_ffi, m) {
       nb::arg("a_codes"), nb::arg("a_scales"), nb::arg("a_amax"),
       nb::arg("b_codes"), nb::arg("b_scales"), nb::arg("b_amax"),
       nb::arg("out"), nb::arg("workspace"));
+  // The argument checks and launches of the Blackwell grouped FP4 GEMM
+  // handler for host-side group sizes, for CPU tests of
+  // jax_nvfp4.backends.blackwell_grouped: each launch's problem and offsets
+  // and the zeroed ranges of out, or ValueError with the handler's message.
+  m.def(
+      "plan_grouped_fp4_gemm",
+      [](bool tokens, std::vector<int64_t> a_codes,
+         std::vector<int64_t> a_scales, std::vector<int64_t> b_codes,
+         std::vector<int64_t> b_scales, std::vector<int64_t> a_amax,
+         std::vector<int64_t> b_amax, std::vector<int64_t> out,
+         std::vector<int64_t> workspace, std::vector<int64_t> group_sizes) {
+        jax_nvfp4::Fp4GroupedPlan p;
+        const std::vector<int64_t> sizes_shape = {
+            static_cast<int64_t>(group_sizes.size())};
+        std::string error = jax_nvfp4::PlanGroupedFp4Shapes(
+            tokens, a_codes, a_scales, b_codes, b_scales, sizes_shape, a_amax,
+            b_amax, out, workspace, &p);
+        if (error.empty()) {
+          error = jax_nvfp4::PlanGroupedFp4Launches(group_sizes, &p);
+        }
+        if (!error.empty()) throw nb::value_error(error.c_str());
+        nb::list launches;
+        for (const auto& l : p.launches) {
+          nb::dict d;
+          d["group"] = l.group;
+          d["m"] = l.m;
+          d["n"] = l.n;
+          d["k"] = l.k;
+          d["ld"] = l.ld;
+          d["a_codes"] = l.a_codes;
+          d["b_codes"] = l.b_codes;
+          d["a_scales"] = l.a_scales;
+          d["b_scales"] = l.b_scales;
+          d["out"] = l.out;
+          launches.append(d);
+        }
+        nb::list zeros;
+        for (const auto& z : p.zeros)
+          zeros.append(nb::make_tuple(z.begin, z.end));
+        nb::dict d;
+        d["launches"] = launches;
+        d["zeros"] = zeros;
+        d["workspace_head_bytes"] = p.workspace_head_bytes;
+        return d;
+      },
+      nb::arg("tokens"), nb::arg("a_codes"), nb::arg("a_scales"),
+      nb::arg("b_codes"), nb::arg("b_scales"), nb::arg("a_amax"),
+      nb::arg("b_amax"), nb::arg("out"), nb::arg("workspace"),
+      nb::arg("group_sizes"));
   // The argument checks and call plan of the cuBLASLt bf16 GEMM handler, for
   // CPU tests: the handler's strides and cublasLtMatmul calls, or ValueError
   // with the handler's message.

@@ -22,7 +22,9 @@ Every GEMM sums without scale (alpha = 1) in float32, then multiplies by
 alpha_g = (A_a / 2688) * (A_b / 2688) of the row's (or dw's) group in float32
 and rounds once to the output dtype: the 2-D GEMM's epilogue. On GPUs that sum
 is one grouped launch on the decoded bfloat16 operands (exact products,
-float32 accumulation; ``backends/grouped_gemm.py``). On the CPU it is the matmul
+float32 accumulation; ``backends/grouped_gemm.py``); on Blackwell, one native FP4
+GEMM per group on the codes (``backends/blackwell_grouped.py``, the groups
+moved to multiples of 128 rows after quantization). On the CPU it is the matmul
 primitive once per group over all rows (other groups' tokens masked), so that
 every sum is the CPU handler's in-order sum and results equal a loop of
 ``jax_nvfp4.dot`` over the groups bit for bit -- G times the work, which the
@@ -48,7 +50,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_nvfp4 import config, ops, reference
-from jax_nvfp4.backends import grouped_gemm
+from jax_nvfp4.backends import blackwell_grouped, grouped_gemm
 from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, is_supported_input_dtype
 from jax_nvfp4.quantize import implementation_ops, key_words
 from jax_nvfp4.recipe import (
@@ -68,15 +70,25 @@ __all__ = ["ragged_dot"]
 _FORCE_RAGGED_GEMM = False
 
 # How the GEMMs run: once per group with the CPU handler's in-order sums
-# (exact reference), or as one grouped launch on the decoded operands: the
-# CUDA handler, or its twin (backends/grouped_gemm.py).
+# (exact reference); as one grouped launch on the decoded operands: the
+# CUDA handler, or its twin (backends/grouped_gemm.py); or, on Blackwell, one
+# native FP4 GEMM per group on the codes (backends/blackwell_grouped.py).
 PER_GROUP, RAGGED_TWIN, GROUPED_HANDLER = "per group", "ragged twin", "handler"
+NATIVE_FP4 = "native fp4"
 
 
 def _gemm_form() -> str:
     if _FORCE_RAGGED_GEMM or jax.default_backend() == "gpu":
+        if blackwell_grouped.supported():
+            return NATIVE_FP4
         return GROUPED_HANDLER if grouped_gemm.handler_supported() else RAGGED_TWIN
     return PER_GROUP
+
+
+def _decoded_gemm(gemm: str) -> bool:
+    """Whether the GEMMs read decoded bfloat16 operands (so the fused
+    quantize may write them decoded)."""
+    return gemm in (RAGGED_TWIN, GROUPED_HANDLER)
 
 
 class _Groups(NamedTuple):
@@ -274,6 +286,23 @@ def _rows_gemm(a: _Operand, b: _Operand, groups, recipe, gemm, out_dtype):
     """Row-grouped: a's buffer rows [1, buffer rows, k] of group g times b[g]
     (stored [G, n, k]) -> [T, n] of ``out_dtype`` in x's row order."""
     count, n = b.values.shape[:2]
+    if gemm == NATIVE_FP4:
+        # Groups moved to multiples of 128 rows for the native GEMM, and back.
+        src, _ = blackwell_grouped.realigned_rows(
+            groups.padded_sizes, groups.buffer_rows
+        )
+        out = blackwell_grouped.rows(
+            blackwell_grouped.take(a.values[0], src),
+            blackwell_grouped.take(a.scales[0], src),
+            a.amax,
+            b.values,
+            b.scales,
+            b.amax,
+            blackwell_grouped.aligned_sizes(groups.padded_sizes),
+            out_dtype,
+        )
+        buffer = jnp.zeros((groups.buffer_rows, n), out.dtype)
+        return _from_buffer(buffer.at[src].set(out, mode="drop"), groups)
     if gemm != PER_GROUP:
         out = grouped_gemm.rows(
             reference.operand_bf16(a.values, a.scales)[0],
@@ -308,6 +337,21 @@ def _tokens_gemm(a: _Operand, b: _Operand, groups, recipe, gemm, out_dtype):
     """Token-grouped (WGRAD): dw[g] = sum over group g's tokens of a's
     column-wise copy [items, k, 16] times b's [items, n, 16] -> [G, k, n]."""
     count = a.amax.shape[0]
+    if gemm == NATIVE_FP4:
+        src, _ = blackwell_grouped.realigned_items(
+            groups.padded_sizes, a.values.shape[0]
+        )
+        take = blackwell_grouped.take
+        return blackwell_grouped.tokens(
+            take(a.values, src),
+            take(a.scales, src),
+            a.amax,
+            take(b.values, src),
+            take(b.scales, src),
+            b.amax,
+            blackwell_grouped.aligned_sizes(groups.padded_sizes),
+            out_dtype,
+        )
     if gemm != PER_GROUP:
         return grouped_gemm.tokens(
             reference.operand_bf16(a.values, a.scales),
@@ -386,7 +430,7 @@ def _ragged_fwd(x, w, group_sizes, words, recipe, static):
             cols=recipe.wgrad,
             stochastic=False,
             words=jnp.asarray(_NO_KEY),
-            ragged=gemm != PER_GROUP,
+            ragged=_decoded_gemm(gemm),
             decoded_cols=False,  # x's column-wise copy is the residual
         )
     w_along_k, w_along_n = _quantize_w(w, recipe)
@@ -422,7 +466,7 @@ def _ragged_bwd(recipe, static, residuals, dy):
         cols=recipe.wgrad,
         stochastic=recipe.stochastic_rounding,
         words=words,
-        ragged=gemm != PER_GROUP,
+        ragged=_decoded_gemm(gemm),
         decoded_cols=True,  # dY's column-wise copy feeds WGRAD only
     )
     if recipe.dgrad:

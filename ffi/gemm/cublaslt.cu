@@ -342,9 +342,9 @@ bool MatmulDescriptors::CreateLayout(cublasLtMatrixLayout_t* layout,
 
 bool AlgoKey::operator<(const AlgoKey& o) const {
   return std::tie(device, ab_type, d_type, m, n, k, batch, workspace, align_a,
-                  align_b, align_d) <
+                  align_b, align_d, ld) <
          std::tie(o.device, o.ab_type, o.d_type, o.m, o.n, o.k, o.batch,
-                  o.workspace, o.align_a, o.align_b, o.align_d);
+                  o.workspace, o.align_a, o.align_b, o.align_d, o.ld);
 }
 
 void ForgetGemmSetup() {

@@ -181,6 +181,7 @@ struct AlgoKey {
   int64_t m, n, k, batch;  // of cuBLASLt's D = n x m
   size_t workspace;
   uint32_t align_a, align_b, align_d;  // cuBLASLt's A, B and C = D
+  int64_t ld = 0;  // A's and B's leading dimension where it is not k
   bool operator<(const AlgoKey& o) const;
 };
 

@@ -1,0 +1,231 @@
+// Argument logic of the native Blackwell grouped FP4 GEMM (fp4_gemm.cu,
+// target "jax_nvfp4_grouped_gemm_fp4_sm100"): ragged_dot's GEMMs as one
+// block-scaled cuBLASLt GEMM per non-empty group, launched by one handler.
+// Free of CUDA and cuBLAS so that the extension can expose it to CPU tests
+// (module.cc: plan_grouped_fp4_gemm) next to
+// jax_nvfp4/backends/blackwell_grouped.py, which prepares the operands.
+//
+// Every group of the token buffer starts at a multiple of kFp4RowTile rows
+// (tokens), so a group's rows are whole tiles of the block-scale layout and
+// each launch is the 2-D GEMM of fp4_gemm_plan.h on a slice of the buffer:
+//
+// rows (FPROP, DGRAD): out[r, :] = alpha_g * a[r, :] . b[g]^T for the rows r
+//   of group g; a_codes [R, K/2] and a_scales (the whole buffer's swizzled
+//   [R, K/16]) are sliced at the group's first row, b is [G, N, K/2] with
+//   per-group swizzled scales [G, N*K/16], out [R, N]; rows past the last
+//   group are zeros.
+// tokens (WGRAD): out[g] = alpha_g * a[:, T_g] . b[:, T_g]^T over the
+//   tokens T_g of group g: a_codes [M, R/2] and b_codes [N, R/2] hold the
+//   tokens contiguous (leading dimension R), their scales are laid out
+//   group-major (group g's [rows, |T_g|/16] swizzled block, at byte
+//   start_g * rows / 16), out [G, M, N]; an empty group's out[g] is zeros.
+//
+// The group sizes live on the device: the handler copies them to the host
+// (the only synchronisation; no CUDA graphs) and plans the launches here.
+#ifndef JAX_NVFP4_FFI_GEMM_FP4_GROUPED_GEMM_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_FP4_GROUPED_GEMM_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gemm/bf16_gemm_plan.h"
+#include "gemm/fp4_gemm_plan.h"
+
+namespace jax_nvfp4 {
+
+// One cublasLtMatmul of the grouped GEMM: the row-major problem
+// out[m, n] = alpha_g * sum_k a[m, k] b[n, k], a and b with leading
+// dimension `ld` (elements), at these offsets into the operands.
+struct Fp4GroupLaunch {
+  int64_t group = 0;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t ld = 0;
+  int64_t a_codes = 0, b_codes = 0;    // bytes
+  int64_t a_scales = 0, b_scales = 0;  // bytes
+  int64_t out = 0;                     // elements
+};
+
+// A range of out's elements [begin, end) that no launch writes: zeros.
+struct ElementRange {
+  int64_t begin = 0, end = 0;
+};
+
+struct Fp4GroupedPlan {
+  bool tokens = false;
+  int64_t groups = 0;
+  int64_t buffer_rows = 0;  // R: the token buffer's rows (tokens)
+  int64_t m = 0;            // rows: K (contraction); tokens: a's rows
+  int64_t n = 0;            // b's rows (out's columns)
+  int64_t k = 0;            // rows: the contraction; tokens: unused
+  int64_t out_elements = 0;
+  int64_t workspace_head_bytes = 0;  // beta, then one alpha per group
+  int64_t workspace_bytes = 0;       // for cuBLASLt, after the head
+  std::vector<Fp4GroupLaunch> launches;
+  std::vector<ElementRange> zeros;
+};
+
+// Checks the operand shapes of one call (no group sizes needed) and fills
+// the plan's sizes. "" when consistent, else what is wrong. Shapes:
+//   rows:   a_codes [R, K/2], a_scales [R*K/16], b_codes [G, N, K/2],
+//           b_scales [G, N*K/16], out [R, N];
+//   tokens: a_codes [M, R/2], a_scales [M*R/16], b_codes [N, R/2],
+//           b_scales [N*R/16], out [G, M, N];
+//   both:   sizes [G] (int32), a_amax [G], b_amax [G], workspace [bytes];
+// R, M and N multiples of kFp4RowTile, K a multiple of kFp4KTile.
+inline std::string PlanGroupedFp4Shapes(
+    bool tokens, const std::vector<int64_t>& a_codes,
+    const std::vector<int64_t>& a_scales, const std::vector<int64_t>& b_codes,
+    const std::vector<int64_t>& b_scales, const std::vector<int64_t>& sizes,
+    const std::vector<int64_t>& a_amax, const std::vector<int64_t>& b_amax,
+    const std::vector<int64_t>& out, const std::vector<int64_t>& workspace,
+    Fp4GroupedPlan* plan) {
+  const std::string fix =
+      "; prepare the operands with "
+      "jax_nvfp4.backends.blackwell_grouped (ragged_dot does)";
+  if (sizes.size() != 1 || a_amax.size() != 1 || b_amax.size() != 1 ||
+      a_scales.size() != 1 || b_scales.size() != 1 || workspace.size() != 1 ||
+      a_codes.size() != 2) {
+    return "sizes, amaxes, scales and workspace must be rank 1 and a_codes "
+           "rank 2" +
+           fix;
+  }
+  const int64_t groups = sizes[0];
+  if (a_amax[0] != groups || b_amax[0] != groups) {
+    return "a_amax and b_amax must have one value per group (" +
+           std::to_string(groups) + ")" + fix;
+  }
+  int64_t r = 0, m = 0, n = 0, k = 0;
+  if (tokens) {
+    if (b_codes.size() != 2 || out.size() != 3) {
+      return "the tokens form takes b_codes [N, R/2] and out [G, M, N]" + fix;
+    }
+    m = a_codes[0];
+    r = 2 * a_codes[1];
+    n = b_codes[0];
+    if (2 * b_codes[1] != r) {
+      return "a and b must hold the same tokens (R=" + std::to_string(r) +
+             " and " + std::to_string(2 * b_codes[1]) + ")" + fix;
+    }
+    if (a_scales[0] != m * r / 16 || b_scales[0] != n * r / 16) {
+      return "a_scales must be [M*R/16] and b_scales [N*R/16] bytes" + fix;
+    }
+    if (out[0] != groups || out[1] != m || out[2] != n) {
+      return "out must be [G, M, N] = [" + std::to_string(groups) + ", " +
+             std::to_string(m) + ", " + std::to_string(n) + "]";
+    }
+  } else {
+    if (b_codes.size() != 3 || out.size() != 2) {
+      return "the rows form takes b_codes [G, N, K/2] and out [R, N]" + fix;
+    }
+    r = a_codes[0];
+    k = 2 * a_codes[1];
+    m = k;
+    n = b_codes[1];
+    if (b_codes[0] != groups || 2 * b_codes[2] != k) {
+      return "b_codes must be [G, N, K/2] with a's K=" + std::to_string(k) +
+             " and G=" + std::to_string(groups) + fix;
+    }
+    if (k % kFp4KTile != 0) {
+      return "K must be a multiple of " + std::to_string(kFp4KTile) + " (got " +
+             std::to_string(k) + ")" + fix;
+    }
+    if (a_scales[0] != r * k / 16 || b_scales.size() != 1 ||
+        b_scales[0] != groups * n * k / 16) {
+      return "a_scales must be [R*K/16] and b_scales [G*N*K/16] bytes" + fix;
+    }
+    if (out[0] != r || out[1] != n) {
+      return "out must be [R, N] = [" + std::to_string(r) + ", " +
+             std::to_string(n) + "]";
+    }
+  }
+  if (r % kFp4RowTile != 0 || n % kFp4RowTile != 0 ||
+      (tokens && m % kFp4RowTile != 0)) {
+    return "R, N (and M in the tokens form) must be multiples of " +
+           std::to_string(kFp4RowTile) + " (got R=" + std::to_string(r) +
+           ", M=" + std::to_string(m) + ", N=" + std::to_string(n) + ")" + fix;
+  }
+  const int64_t head = GemmWorkspaceHeadBytes(groups);
+  if (workspace[0] < head) {
+    return "the workspace must have at least " + std::to_string(head) +
+           " bytes (beta and one alpha per group)";
+  }
+  plan->tokens = tokens;
+  plan->groups = groups;
+  plan->buffer_rows = r;
+  plan->m = m;
+  plan->n = n;
+  plan->k = k;
+  plan->out_elements = tokens ? groups * m * n : r * n;
+  plan->workspace_head_bytes = head;
+  plan->workspace_bytes = workspace[0] - head;
+  plan->launches.clear();
+  plan->zeros.clear();
+  return "";
+}
+
+// The launches and zero ranges for the group sizes (read from the device),
+// each a multiple of kFp4RowTile, non-negative, summing to at most R. ""
+// when they are, else what is wrong.
+inline std::string PlanGroupedFp4Launches(const std::vector<int64_t>& sizes,
+                                          Fp4GroupedPlan* plan) {
+  const Fp4GroupedPlan& p = *plan;
+  if (static_cast<int64_t>(sizes.size()) != p.groups) {
+    return "expected " + std::to_string(p.groups) + " group sizes, got " +
+           std::to_string(sizes.size());
+  }
+  std::vector<Fp4GroupLaunch> launches;
+  std::vector<ElementRange> zeros;
+  int64_t start = 0;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t size = sizes[g];
+    if (size < 0 || size % kFp4RowTile != 0 || start + size > p.buffer_rows) {
+      return "group " + std::to_string(g) + " has " + std::to_string(size) +
+             " rows at row " + std::to_string(start) +
+             ": the padded group sizes must be non-negative multiples of " +
+             std::to_string(kFp4RowTile) + " within the buffer's " +
+             std::to_string(p.buffer_rows) + " rows";
+    }
+    Fp4GroupLaunch l;
+    l.group = g;
+    if (p.tokens) {
+      const int64_t out = g * p.m * p.n;
+      if (size == 0) {
+        zeros.push_back({out, out + p.m * p.n});
+      } else {
+        l.m = p.m;
+        l.n = p.n;
+        l.k = size;
+        l.ld = p.buffer_rows;
+        l.a_codes = start / 2;
+        l.b_codes = start / 2;
+        l.a_scales = start * p.m / 16;
+        l.b_scales = start * p.n / 16;
+        l.out = out;
+        launches.push_back(l);
+      }
+    } else if (size > 0) {
+      l.m = size;
+      l.n = p.n;
+      l.k = p.k;
+      l.ld = p.k;
+      l.a_codes = start * p.k / 2;
+      l.b_codes = g * p.n * p.k / 2;
+      l.a_scales = start * p.k / 16;
+      l.b_scales = g * p.n * p.k / 16;
+      l.out = start * p.n;
+      launches.push_back(l);
+    }
+    start += size;
+  }
+  if (!p.tokens && start < p.buffer_rows) {
+    zeros.push_back({start * p.n, p.buffer_rows * p.n});
+  }
+  plan->launches = std::move(launches);
+  plan->zeros = std::move(zeros);
+  return "";
+}
+
+}  // namespace jax_nvfp4
+
+#endif  // JAX_NVFP4_FFI_GEMM_FP4_GROUPED_GEMM_PLAN_H_

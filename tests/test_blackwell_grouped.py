@@ -1,0 +1,238 @@
+"""The native Blackwell grouped FP4 GEMM's host-side logic, on the CPU: the
+realigned token buffer, the group-major scale layout, the handler's plan
+(its launches, offsets and zeroed ranges, from the extension) and a NumPy
+emulation of those launches, run inside ``ragged_dot`` against the exact
+per-group path. The handler itself has not run on Blackwell hardware."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import outlier_data
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import grouped
+from jax_nvfp4.backends import blackwell, blackwell_grouped, library
+from jax_nvfp4.format import E2M1_VALUES
+
+EXT = library.extension()
+needs_ext = pytest.mark.skipif(EXT is None, reason="needs the compiled extension")
+
+
+def _e4m3_bytes(rng, shape):
+    """Finite, non-negative E4M3 scale bytes."""
+    raw = rng.integers(0, 0x7F, size=shape, dtype=np.uint8)
+    return jnp.asarray(raw)
+
+
+def test_group_major_scales_swizzle_each_group():
+    """Group g's [rows, tokens_g / 16] block is blackwell.swizzle_scales of
+    its columns, at byte start_g * rows / 16; columns past the groups are
+    dropped."""
+    rng = np.random.default_rng(0)
+    rows, sizes = 256, np.array([128, 0, 384, 256], np.int32)
+    cols = sizes.sum() // 16 + 8  # a tail past the groups
+    scales = _e4m3_bytes(rng, (rows, cols))
+    got = np.asarray(blackwell_grouped.group_major_scales(scales, jnp.asarray(sizes)))
+    assert got.shape == (rows * cols,)
+    start = 0
+    for size in sizes:
+        block = scales[:, start // 16 : (start + size) // 16]
+        want = np.asarray(blackwell.swizzle_scales(block)) if size else []
+        at = start * rows // 16
+        np.testing.assert_array_equal(got[at : at + rows * size // 16], want)
+        start += size
+    assert not got[start * rows // 16 :].any()
+
+
+def test_realigned_rows_put_groups_on_tiles():
+    """Each group's rows move to a multiple of 128, in order, zeros between;
+    scattering back by the same indices restores the buffer."""
+    padded = jnp.asarray([32, 0, 144, 16], jnp.int32)
+    rows = 256  # ragged_dot's buffer: the groups, then unused rows
+    buffer = jnp.arange(1, rows + 1, dtype=jnp.int32)
+    src, out_rows = blackwell_grouped.realigned_rows(padded, rows)
+    assert out_rows % 128 == 0 and out_rows >= 3 * 128
+    moved = np.asarray(blackwell_grouped.take(buffer, src))
+    sizes = np.asarray(blackwell_grouped.aligned_sizes(padded))
+    np.testing.assert_array_equal(sizes, [128, 0, 256, 128])
+    at, old = 0, 0
+    for size, aligned in zip(np.asarray(padded), sizes, strict=True):
+        np.testing.assert_array_equal(moved[at : at + size], np.arange(size) + old + 1)
+        assert not moved[at + size : at + aligned].any()
+        at, old = at + aligned, old + size
+    assert not moved[at:].any()
+    back = jnp.zeros(rows, jnp.int32).at[src].set(jnp.asarray(moved), mode="drop")
+    np.testing.assert_array_equal(back[:old], buffer[:old])
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (dict(group_sizes=[100, 28]), "multiples of 128"),
+        (dict(group_sizes=[256, 128]), "within the buffer"),
+        (dict(group_sizes=[-128, 128]), "non-negative"),
+        (dict(a_amax=[3]), "one value per group"),
+        (dict(out=[256, 64]), "out must be"),
+        (dict(a_codes=[200, 32], out=[200, 128]), "multiples of 128"),
+        (dict(workspace=[8]), "workspace"),
+    ],
+)
+def test_plan_refuses_bad_arguments(args, match):
+    shapes = dict(
+        tokens=False,
+        a_codes=[256, 32],
+        a_scales=[256 * 64 // 16],
+        b_codes=[2, 128, 32],
+        b_scales=[2 * 128 * 64 // 16],
+        a_amax=[2],
+        b_amax=[2],
+        out=[256, 128],
+        workspace=[4096],
+        group_sizes=[128, 0],
+    )
+    shapes.update(args)
+    if "a_codes" in args:
+        shapes["a_scales"] = [args["a_codes"][0] * 64 // 16]
+    with pytest.raises(ValueError, match=match):
+        EXT.plan_grouped_fp4_gemm(**shapes)
+
+
+@needs_ext
+def test_plan_launches_and_zeros():
+    """One launch per non-empty group at its slice; an empty group's dW and
+    the rows past the groups are zeroed ranges."""
+    rows = EXT.plan_grouped_fp4_gemm(
+        False, [512, 32], [512 * 4], [3, 128, 32], [3 * 128 * 4], [3], [3],
+        [512, 128], [4096], [128, 0, 256],
+    )  # fmt: skip
+    assert [(x["group"], x["m"], x["a_codes"], x["out"]) for x in rows["launches"]] == [
+        (0, 128, 0, 0),
+        (2, 256, 128 * 32, 128 * 128),
+    ]
+    assert rows["zeros"] == [(384 * 128, 512 * 128)]
+    tokens = EXT.plan_grouped_fp4_gemm(
+        True, [128, 256], [128 * 32], [256, 256], [256 * 32], [3], [3],
+        [3, 128, 256], [4096], [128, 0, 384],
+    )  # fmt: skip
+    launch = tokens["launches"][1]
+    assert (launch["group"], launch["k"], launch["ld"]) == (2, 384, 512)
+    assert (launch["a_codes"], launch["a_scales"], launch["b_scales"]) == (
+        64,
+        128 * 128 // 16,
+        128 * 256 // 16,
+    )
+    assert tokens["zeros"] == [(128 * 256, 2 * 128 * 256)]
+
+
+def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
+    """What the handler computes for ``plan`` on these operands: each launch
+    reads its slices as cuBLASLt would (codes with the launch's leading
+    dimension, block scales swizzled from the launch's offset), float64
+    sums, float32 alpha, one rounding."""
+    a_codes, a_scales, b_codes, b_scales = (np.asarray(t).reshape(-1) for t in operands)
+    values = np.asarray(E2M1_VALUES, np.float64)
+    out = np.zeros(int(np.prod(shape)), np.float32)
+
+    def matrix(codes, scales, code_at, scale_at, rows, k, ld):
+        at = code_at + np.arange(rows)[:, None] * (ld // 2) + np.arange(k // 2)
+        packed = codes[at]
+        nibbles = np.stack([packed & 0xF, packed >> 4], -1).reshape(rows, k)
+        e2m1 = np.where(nibbles & 8, -1.0, 1.0) * values[nibbles & 7]
+        cols = k // 16
+        r, c = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+        off = ((r // 128) * (cols // 4) + c // 4) * 512 + (r % 32) * 16
+        off = off + ((r % 128) // 32) * 4 + c % 4
+        s = np.asarray(scales[scale_at + off].view(jnp.float8_e4m3fn), np.float64)
+        return e2m1 * np.repeat(s, 16, axis=1)
+
+    for x in plan["launches"]:
+        m, n, k, ld, g = x["m"], x["n"], x["k"], x["ld"], x["group"]
+        a = matrix(a_codes, a_scales, x["a_codes"], x["a_scales"], m, k, ld)
+        b = matrix(b_codes, b_scales, x["b_codes"], x["b_scales"], n, k, ld)
+        alpha = (np.float32(a_amax[g]) / np.float32(2688)) * (
+            np.float32(b_amax[g]) / np.float32(2688)
+        )
+        block = (a @ b.T).astype(np.float32) * alpha
+        out[x["out"] : x["out"] + m * n] = block.ravel()
+    return np.asarray(jnp.asarray(out.reshape(shape)).astype(dtype))
+
+
+def _emulated_call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form):
+    """blackwell_grouped._call with the handler replaced by its plan (the
+    extension's) and the emulation, on the host."""
+
+    def host(*args):
+        *ops, sizes, a_amax, b_amax = (np.asarray(a) for a in args)
+        count = sizes.shape[0]
+        plan = EXT.plan_grouped_fp4_gemm(
+            tokens_form, *(list(t.shape) for t in ops), [count], [count],
+            list(shape), [1 << 20], sizes.tolist(),
+        )  # fmt: skip
+        return _emulate(plan, ops, a_amax, b_amax, shape, dtype)
+
+    return jax.pure_callback(
+        host,
+        jax.ShapeDtypeStruct(shape, dtype),
+        *operands,
+        sizes.astype(jnp.int32),
+        jnp.asarray(a_amax, jnp.float32).reshape(-1),
+        jnp.asarray(b_amax, jnp.float32).reshape(-1),
+    )
+
+
+@needs_ext
+@pytest.mark.parametrize("recipe", [nv.NVFP4_NO_SR, nv.NVFP4], ids=["nearest", "sr"])
+def test_ragged_dot_on_the_emulated_handler(recipe, monkeypatch):
+    """ragged_dot's native path (realigned buffer, operands, plan) with the
+    emulated handler gives the exact per-group path's y, dx and dw up to
+    float32 summation order: unbalanced groups, an empty one, sizes off
+    multiples of 16, rows past the groups."""
+    sizes = jnp.asarray([20, 0, 150, 17], jnp.int32)
+    x = outlier_data(3, (200, 48), jnp.float32)
+    w = outlier_data(4, (4, 48, 32), jnp.float32) * 0.1
+    dy = outlier_data(5, (200, 32), jnp.float32)
+    key = jax.random.key(9)
+
+    def step():
+        @jax.jit
+        def run(x, w, dy):
+            y, vjp = jax.vjp(
+                lambda a, b: nv.ragged_dot(a, b, sizes, key=key, recipe=recipe), x, w
+            )
+            return (y, *vjp(dy))
+
+        return run(x, w, dy)
+
+    monkeypatch.setattr(grouped, "_gemm_form", lambda: grouped.PER_GROUP)
+    want = step()
+    monkeypatch.setattr(grouped, "_gemm_form", lambda: grouped.NATIVE_FP4)
+    monkeypatch.setattr(blackwell_grouped, "_call", _emulated_call)
+    got = step()
+    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = float(np.max(np.abs(b)))
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale, err_msg=name)
+    assert not np.asarray(got[2][1]).any()  # the empty group's dw
+    assert not np.asarray(got[0][187:]).any()  # rows past the groups
+
+
+def test_supported_needs_its_target_and_a_blackwell_gpu(monkeypatch):
+    """The native grouped path needs its own target registered besides the
+    2-D native GEMM's, FP4 tensor cores, and JAX_NVFP4_NATIVE_GEMM on."""
+    gpu = types.SimpleNamespace(platform="gpu", compute_capability="10.0")
+    hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
+    both = {"cuda": frozenset({blackwell.TARGET, blackwell_grouped.TARGET})}
+    monkeypatch.setattr(library, "registered_targets", lambda: both)
+    assert blackwell_grouped.supported(gpu)
+    assert not blackwell_grouped.supported(hopper)
+    monkeypatch.setenv("JAX_NVFP4_NATIVE_GEMM", "0")
+    assert not blackwell_grouped.supported(gpu)
+    monkeypatch.delenv("JAX_NVFP4_NATIVE_GEMM")
+    only_2d = {"cuda": frozenset({blackwell.TARGET})}
+    monkeypatch.setattr(library, "registered_targets", lambda: only_2d)
+    assert not blackwell_grouped.supported(gpu)
+    assert not blackwell_grouped.supported()  # this process: no CUDA devices
