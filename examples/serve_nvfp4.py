@@ -41,10 +41,11 @@ import train_common  # noqa: E402
 
 import jax_nvfp4 as nv  # noqa: E402
 import jax_nvfp4.equinox as nveqx  # noqa: E402
-from jax_nvfp4 import checkpoint  # noqa: E402
+from jax_nvfp4 import checkpoint, hf_names  # noqa: E402
 from jax_nvfp4.format import NVFP4Tensor  # noqa: E402
 
-# The example's module paths -> Hugging Face Llama's, per block.
+# The example's linear layers -> Hugging Face Llama's module names, per block
+# (the weights' names come from jax_nvfp4.hf_names).
 BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "attn.q_proj": "self_attn.q_proj",
@@ -70,11 +71,7 @@ def hf_weights(model: llama_equinox.Llama) -> tuple[dict, set[str]]:
     Equinox. The bf16 values are what the training forward pass multiplies
     (``llama_equinox.to_bf16``)."""
     model = llama_equinox.to_bf16(model)
-    weights = {
-        "model.embed_tokens.weight": model.embed.weight,
-        "model.norm.weight": model.norm.weight,
-        "lm_head.weight": model.lm_head.weight,
-    }
+    weights = hf_names.llama_weights(model, stacks=("layers", "tail"))
     nvfp4 = set()
     first = 0
     for stack in (model.layers, model.tail):
@@ -84,12 +81,10 @@ def hf_weights(model: llama_equinox.Llama) -> tuple[dict, set[str]]:
         for ours, theirs in BLOCK_NAMES.items():
             layer = _get(stack, ours)
             for i in range(count):
-                module = f"model.layers.{first + i}.{theirs}"
-                weights[module + ".weight"] = layer.weight[i]
                 if isinstance(layer, nveqx.Linear) and (
                     layer.nvfp4 is None or bool(layer.nvfp4[i])
                 ):
-                    nvfp4.add(module)
+                    nvfp4.add(f"model.layers.{first + i}.{theirs}")
         first += count
     return weights, nvfp4
 

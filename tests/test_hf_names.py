@@ -1,0 +1,156 @@
+"""jax_nvfp4.hf_names: Hugging Face Llama names for the weights of Flax NNX,
+Flax linen (nested dicts) and Equinox models, stacked or numbered blocks, and
+the export of those names with the policy's layer choice."""
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import checkpoint, hf_names
+from jax_nvfp4.policy import transformer_policy
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+import train_common  # noqa: E402
+
+LAYERS, D, FFN = 3, 32, 64
+
+
+def _args(**extra):
+    parser = argparse.ArgumentParser()
+    train_common.add_common_flags(parser)
+    args = parser.parse_args(
+        ["--precision", "nvfp4", "--layers", str(LAYERS), "--keep-last", "1"]
+        + ["--d-model", str(D), "--heads", "2", "--ffn", str(FFN)]
+    )
+    args.attention, args.remat, args.tie_embeddings = "xla", "fp4", False
+    return args
+
+
+def _llama_names(layers):
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    parts = (
+        "input_layernorm",
+        "post_attention_layernorm",
+        *(f"self_attn.{p}_proj" for p in "qkvo"),
+        *(f"mlp.{p}_proj" for p in ("gate", "up", "down")),
+    )
+    for i in range(layers):
+        names |= {f"model.layers.{i}.{p}.weight" for p in parts}
+    return names
+
+
+def test_equinox_stacks_in_block_order():
+    """The Equinox example: two stacks (layers, then the bf16 tail) numbered
+    in order, Linear weights already [out, in]."""
+    import llama_equinox
+
+    model = llama_equinox.to_bf16(llama_equinox.build(_args())[0])
+    got = hf_names.llama_weights(model, stacks=("layers", "tail"))
+    assert set(got) == _llama_names(LAYERS)
+    up = model.layers.mlp.up_proj.weight  # [layers - 1, ffn, d]
+    np.testing.assert_array_equal(got["model.layers.1.mlp.up_proj.weight"], up[1])
+    np.testing.assert_array_equal(
+        got["model.layers.2.mlp.up_proj.weight"], model.tail.mlp.up_proj.weight[0]
+    )
+    assert got["model.layers.0.self_attn.q_proj.weight"].shape == (D, D)
+
+
+def test_flax_nnx_kernels_become_out_by_in():
+    """The Flax NNX example: kernels [in, out] become weights [out, in],
+    embedding and scale become weight."""
+    import llama_flax
+
+    model = llama_flax.build(_args())[0]
+    got = hf_names.llama_weights(model, stacks=("layers", "tail"))
+    assert set(got) == _llama_names(LAYERS)
+    kernel = np.asarray(jax.tree.leaves(model.layers.mlp.gate_proj.kernel)[0][0])
+    np.testing.assert_array_equal(got["model.layers.0.mlp.gate_proj.weight"], kernel.T)
+    assert got["model.layers.0.mlp.down_proj.weight"].shape == (D, FFN)
+    assert got["lm_head.weight"].shape == (256, D)
+
+
+def _linen_params(rng):
+    """A linen-style params dict: numbered blocks, Meta's part names."""
+
+    def dense(n_in, n_out):
+        return {"kernel": rng.standard_normal((n_in, n_out)).astype(np.float32)}
+
+    params = {"tok_embeddings": {"embedding": rng.standard_normal((256, D))}}
+    for i in range(2):
+        params[f"layers_{i}"] = {
+            "attention_norm": {"scale": np.ones(D, np.float32)},
+            "attention": {w: dense(D, D) for w in ("wq", "wk", "wv", "wo")},
+            "ffn_norm": {"scale": np.ones(D, np.float32)},
+            "feed_forward": {
+                "w1": dense(D, FFN),
+                "w3": dense(D, FFN),
+                "w2": dense(FFN, D),
+            },
+            "step": np.int32(3),  # not a weight: skipped
+        }
+    params["final_norm"] = {"scale": np.ones(D, np.float32)}
+    params["output"] = dense(D, 256)
+    return params
+
+
+def test_linen_numbered_blocks_and_meta_names():
+    params = _linen_params(np.random.default_rng(0))
+    got = hf_names.llama_weights(params)
+    assert set(got) == _llama_names(2)
+    np.testing.assert_array_equal(
+        got["model.layers.1.mlp.down_proj.weight"],
+        params["layers_1"]["feed_forward"]["w2"]["kernel"].T,
+    )
+
+
+def test_unknown_and_colliding_names_raise():
+    params = _linen_params(np.random.default_rng(1))
+    params["layers_0"]["mixer"] = {"kernel": np.zeros((D, D), np.float32)}
+    with pytest.raises(ValueError, match="no Llama name for 'mixer'"):
+        hf_names.llama_weights(params)
+    # A rename maps it, here onto a name another path has: a collision.
+    with pytest.raises(ValueError, match="as another path does"):
+        hf_names.llama_weights(params, renames={"mixer": "self_attn.q_proj"})
+    del params["layers_0"]["mixer"]
+    params["tok_emb"] = {"embedding": np.zeros((4, D), np.float32)}
+    with pytest.raises(ValueError, match="no Llama name for 'tok_emb'"):
+        hf_names.llama_weights(params)
+    with pytest.raises(TypeError, match="sequence of names"):
+        hf_names.llama_weights(params, stacks="layers")
+    stacked = {"layers": {"mlp": {"up_proj": {"kernel": np.zeros((3, D, FFN))}}}}
+    stacked["layers"]["mlp"]["down_proj"] = {"kernel": np.zeros((2, FFN, D))}
+    with pytest.raises(ValueError, match="leading axes of"):
+        hf_names.llama_weights(stacked)
+
+
+def test_export_applies_the_policy_to_the_names(tmp_path):
+    """transformer_policy reads the block index and '*mlp*' in the Hugging
+    Face names: blocks 0-1's MLPs in NVFP4, attention and the last block in
+    bf16 (exclude_modules)."""
+    params = _linen_params(np.random.default_rng(2))
+    params["layers_2"] = params["layers_1"]
+    bf16 = jax.tree.map(
+        lambda a: jnp.asarray(a, jnp.bfloat16) if np.ndim(a) else a, params
+    )
+    weights = hf_names.llama_weights(bf16)
+    policy = transformer_policy(3, keep_last=1)
+    mlp = [f"model.layers.{i}.mlp.{p}_proj" for i in (0, 1) for p in ("gate", "up")]
+    mlp += [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
+    checkpoint.export_nvfp4(
+        weights, tmp_path, nvfp4=policy, input_amax={m: 1.0 for m in mlp}
+    )
+    config = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    excluded = set(config["quantization"]["exclude_modules"])
+    assert "model.layers.2.mlp.up_proj" in excluded
+    assert "model.layers.0.self_attn.q_proj" in excluded
+    assert not excluded & set(mlp)
+    loaded = checkpoint.import_nvfp4(tmp_path)
+    assert set(loaded.quantized) == set(mlp)
+    assert isinstance(next(iter(loaded.quantized.values())), nv.NVFP4Tensor)
