@@ -1,4 +1,4 @@
-// Argument logic of the native Blackwell grouped FP4 GEMM (fp4_gemm.cu,
+// Argument logic of the native Blackwell grouped FP4 GEMM (fp4_grouped_gemm.cu,
 // target "jax_nvfp4_grouped_gemm_fp4_sm100"): ragged_dot's GEMMs as one
 // block-scaled cuBLASLt GEMM per non-empty group, launched by one handler.
 // Free of CUDA and cuBLAS so that the extension can expose it to CPU tests

@@ -3,7 +3,7 @@ logic.
 
 On GPUs with FP4 tensor cores ``ragged_dot``'s GEMMs run on the FP4 codes
 through the FFI target ``jax_nvfp4_grouped_gemm_fp4_sm100``
-(``ffi/gemm/fp4_gemm.cu``): one handler that reads the group sizes back to
+(``ffi/gemm/fp4_grouped_gemm.cu``): one handler that reads the group sizes back to
 the host and launches one cuBLASLt block-scaled FP4 GEMM per non-empty group
 (``ffi/gemm/fp4_grouped_gemm_plan.h``). Its forms are those of
 ``backends/grouped_gemm.py``: rows (FPROP, DGRAD) and tokens (WGRAD).
