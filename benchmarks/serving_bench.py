@@ -5,7 +5,9 @@
 
 For each weight K -> N and each row count M, a jitted loop of --iters GEMMs
 (activations rescaled per iteration so that no GEMM is hoisted, outputs
-summed): the time per GEMM of
+summed), cycling through --copies weights of the shape so that no weight is
+still in the L2 cache when its turn comes (as in a model, where each layer
+has its own): the time per GEMM of
   bf16            jnp.dot of x by the bf16 weight (what serving in bf16 does)
   w4a16 handler   jax_nvfp4's weight-only GEMM, the weight decoded in
                   registers (backends/weight_only.py, path "handler")
@@ -31,26 +33,31 @@ from jax_nvfp4.backends import weight_only
 
 
 def looped(product, iters):
-    """A jitted loop of `iters` products of rescaled x; returns their sum."""
+    """A jitted loop of `iters` products of rescaled x, taking the weights in
+    turn; returns their sum."""
 
-    def run(x, w):
+    def run(x, weights):
         def body(i, acc):
             scale = (1 + i % 3).astype(x.dtype)
-            return acc + product(x * scale, w).astype(jnp.float32)
+            for w in weights:
+                acc = acc + product(x * scale, w).astype(jnp.float32)
+            return acc
 
-        n = jax.eval_shape(product, x, w).shape
-        return jax.lax.fori_loop(0, iters, body, jnp.zeros(n, jnp.float32))
+        n = jax.eval_shape(product, x, weights[0]).shape
+        rounds = iters // len(weights)
+        return jax.lax.fori_loop(0, rounds, body, jnp.zeros(n, jnp.float32))
 
     return jax.jit(run)
 
 
-def time_per_gemm(fn, x, w, iters, rounds):
-    jax.block_until_ready(fn(x, w))
+def time_per_gemm(fn, x, weights, iters, rounds):
+    jax.block_until_ready(fn(x, weights))
+    gemms = iters // len(weights) * len(weights)
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()
-        jax.block_until_ready(fn(x, w))
-        samples.append((time.perf_counter() - start) / iters)
+        jax.block_until_ready(fn(x, weights))
+        samples.append((time.perf_counter() - start) / gemms)
     return statistics.median(samples)
 
 
@@ -58,7 +65,10 @@ def main(argv=None):
     parser = argument_parser(__doc__)
     parser.add_argument("--shapes", default="4096x14336,8192x28672")
     parser.add_argument("--rows", default="1,16,64,256,1024,2048,8192")
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=48)
+    parser.add_argument(
+        "--copies", type=int, default=4, help="weights cycled through (L2 > 1 copy)"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -87,15 +97,17 @@ def main(argv=None):
     )
     for shape in args.shapes.split(","):
         k, n = parse_shape(shape)
-        w_float = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * 0.02
-        w_q = nv.quantize(w_float, axis=0, block="16x16")
-        w_bf16 = nv.dequantize(w_q, jnp.bfloat16)
+        weights = []
+        for copy in range(args.copies):
+            w_float = jax.random.normal(jax.random.key(1 + copy), (k, n)) * 0.02
+            w_q = nv.quantize(w_float, axis=0, block="16x16")
+            weights.append((w_q, nv.dequantize(w_q, jnp.bfloat16)))
         for m in (int(r) for r in args.rows.split(",")):
             x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
             row = {"k": k, "n": n, "m": m}
             for name, product in products.items():
                 fn = looped(product, args.iters)
-                row[name] = time_per_gemm(fn, x, (w_q, w_bf16), args.iters, args.rounds)
+                row[name] = time_per_gemm(fn, x, weights, args.iters, args.rounds)
             results.append(row)
             times = " ".join(f"{row[name] * 1e6:14.1f}" for name in products)
             fastest = row.get("w4a16 handler", row["matmul"])

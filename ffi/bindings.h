@@ -171,7 +171,8 @@ auto MatmulW4A16Binding(Binder binder) {
       .template Arg<ffi::Buffer<ffi::U8>>()    // w codes [N, K/2]
       .template Arg<ffi::AnyBuffer>()          // w e4m3 scales [N, K/16]
       .template Arg<ffi::Buffer<ffi::F32>>()   // w amax [1]
-      .template Ret<ffi::AnyBuffer>();         // out [M, N], bf16 or f32
+      .template Ret<ffi::AnyBuffer>()          // out [M, N], bf16 or f32
+      .template Ret<ffi::Buffer<ffi::U8>>();   // workspace (plan_w4a16)
 }
 
 }  // namespace jax_nvfp4

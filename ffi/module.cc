@@ -14,6 +14,7 @@
 #include "gemm/bf16_gemm_plan.h"
 #include "gemm/fp4_gemm_plan.h"
 #include "gemm/fp4_grouped_gemm_plan.h"
+#include "gemm/weight_only_gemm_plan.h"
 #include "numerics/scale_layout.h"
 #include "targets.h"
 #include "xla/ffi/api/c_api.h"
@@ -82,6 +83,29 @@ NB_MODULE(_ffi, m) {
     }
     return offsets;
   });
+  // The weight-only GEMM handler's launch plan for x [m, k] and a weight
+  // [n, k]: jax_nvfp4.backends.weight_only sizes the handler's workspace
+  // with it. ValueError with the handler's message for shapes it refuses.
+  m.def(
+      "plan_w4a16",
+      [](int64_t m, int64_t n, int64_t k) {
+        jax_nvfp4::W4A16Plan p;
+        const std::string error = jax_nvfp4::PlanW4A16(m, n, k, &p);
+        if (!error.empty()) throw nb::value_error(error.c_str());
+        nb::dict d;
+        d["m_tiles"] = p.config.m_tiles;
+        d["tiles"] = p.config.tiles;
+        d["depth"] = p.config.depth;
+        d["chunks"] = p.config.chunks;
+        d["row_tiles"] = p.row_tiles;
+        d["slices"] = p.slices;
+        d["column_tiles"] = p.column_tiles;
+        d["arrivals_bytes"] = p.arrivals_bytes;
+        d["partial_offset"] = p.partial_offset;
+        d["workspace_bytes"] = p.workspace_bytes;
+        return d;
+      },
+      nb::arg("m"), nb::arg("n"), nb::arg("k"));
   // The argument checks of the Blackwell FP4 GEMM handler, for CPU tests of
   // jax_nvfp4.backends.blackwell.native_operands: the handler's per-item
   // strides, or ValueError with the handler's message.

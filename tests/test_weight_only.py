@@ -12,7 +12,7 @@ from conftest import has_gpu
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import reference
-from jax_nvfp4.backends import hopper, weight_only
+from jax_nvfp4.backends import hopper, library, weight_only
 from jax_nvfp4.format import NVFP4Tensor
 
 E4M3_ONE, E4M3_TWO = 0x38, 0x40
@@ -85,6 +85,34 @@ def test_bad_input_is_refused_with_what_to_change():
         nv.matmul(jnp.ones((2, 64), jnp.bfloat16), w, out_dtype=jnp.int8)
 
 
+EXT = library.extension()
+
+
+@pytest.mark.skipif(EXT is None, reason="needs the compiled extension")
+def test_handler_plan():
+    """The launch plan the handler follows and Python sizes its workspace
+    with: tile heights by rows of x, K in slices of the kernel's chunks, the
+    partial sums only where K is split, refusals naming the fix."""
+    small = EXT.plan_w4a16(16, 14336, 4096)
+    assert (small["m_tiles"], small["chunks"]) == (1, 16)
+    assert small["slices"] == 2  # 32 chunks of 128 in slices of 16
+    assert small["column_tiles"] == 14336 // 128
+    assert small["partial_offset"] % 256 == 0
+    assert small["workspace_bytes"] == small["partial_offset"] + 4 * 2 * 16 * 14336
+    assert EXT.plan_w4a16(17, 64, 256)["m_tiles"] == 2
+    assert EXT.plan_w4a16(64, 64, 256)["m_tiles"] == 4
+    assert EXT.plan_w4a16(300, 64, 256)["row_tiles"] == 5
+    one = EXT.plan_w4a16(8, 130, 2048)  # one slice: no partial sums
+    assert one["slices"] == 1
+    assert one["workspace_bytes"] == one["partial_offset"]
+    assert one["arrivals_bytes"] == 4 * 2  # 130 columns: 2 tiles of 128
+    assert EXT.plan_w4a16(8, 64, 2176)["slices"] == 2  # 17 chunks
+    with pytest.raises(ValueError, match="multiple of 128"):
+        EXT.plan_w4a16(8, 64, 200)
+    with pytest.raises(ValueError, match="N even"):
+        EXT.plan_w4a16(8, 63, 256)
+
+
 needs_handler = pytest.mark.skipif(
     not (has_gpu() and weight_only.handler_supported(256, 2)),
     reason="needs the CUDA W4A16 handler on a GPU",
@@ -107,7 +135,11 @@ def _paths(x, w, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 100, 300])
-@pytest.mark.parametrize("n,k", [(64, 256), (130, 512), (512, 4096)])
+@pytest.mark.parametrize(
+    "n,k",
+    [(64, 256), (130, 512), (512, 4096), (130, 128), (66, 2176)],
+    ids=["one-slice", "n-tail", "slices", "one-chunk", "short-last-slice"],
+)
 def test_handler_equals_twin_exactly(m, n, k, dtype):
     w = _exact_weight(n, k, seed=m)
     x = _integers((m, k), seed=n)
@@ -132,8 +164,24 @@ def test_handler_on_real_values_within_summation_order():
 
 @needs_handler
 @pytest.mark.gpu
+def test_handler_is_deterministic():
+    """K split over CTAs: the slices' sums are added in slice order, not in
+    the order the CTAs finish, so repeated calls agree bit for bit."""
+    x = jax.random.normal(jax.random.key(4), (16, 8192), jnp.bfloat16)
+    w = nv.quantize(jax.random.normal(jax.random.key(5), (8192, 1024)), axis=0)
+    args = (x, w.codes, w.scales, w.amax, jnp.float32)
+    call = jax.jit(
+        lambda *a: weight_only.matmul_w4a16(*a, path="handler"), static_argnums=4
+    )
+    first = np.asarray(call(*args))
+    for _ in range(5):
+        np.testing.assert_array_equal(np.asarray(call(*args)), first)
+
+
+@needs_handler
+@pytest.mark.gpu
 def test_matmul_dispatch_on_gpu():
-    """Few rows take the handler, many the cuBLASLt path, K off 256 the
+    """Few rows take the handler, many the cuBLASLt path, K off 128 the
     cuBLASLt path: all equal the exact sums."""
     for m, k in [(8, 256), (weight_only.MAX_HANDLER_ROWS + 16, 256), (8, 80)]:
         w = _exact_weight(64, k, seed=k)

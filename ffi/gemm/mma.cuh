@@ -41,10 +41,11 @@ __device__ __forceinline__ void LoadMatrices(uint32_t address, uint32_t* r) {
       : "r"(address));
 }
 
+// Not volatile: the instruction has no side effects, so the compiler may
+// schedule it freely among the loads and decodes around it.
 __device__ __forceinline__ void Mma(float* c, const uint32_t* a,
                                     const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])

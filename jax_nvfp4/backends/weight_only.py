@@ -43,10 +43,10 @@ MAX_HANDLER_ROWS = 64
 def handler_supported(k: int, n: int, target: Any = None) -> bool:
     """Whether the CUDA handler takes a weight [N, K]: compiled in,
     ``JAX_NVFP4_W4A16_GEMM`` on, every device of compute capability >= 8.0,
-    K a multiple of 256 and N even."""
+    K a multiple of 128 and N even."""
     if not config.enabled("JAX_NVFP4_W4A16_GEMM"):
         return False
-    if TARGET not in library.targets_on("cuda") or k % 256 or n % 2:
+    if TARGET not in library.targets_on("cuda") or k % 128 or n % 2:
         return False
     lowered_for = devices.lowering_devices(target)
     return bool(lowered_for) and devices.all_capable(lowered_for, MIN_CAPABILITY)
@@ -75,11 +75,18 @@ def matmul_w4a16(
     dtype = np.dtype(dtype)
     amax = jnp.asarray(amax, jnp.float32).reshape(1)
     if path == "handler":
-        return jax.ffi.ffi_call(
+        m, k = x.shape
+        n = codes.shape[0]
+        plan = library.extension().plan_w4a16(m, n, k)
+        out, _ = jax.ffi.ffi_call(
             TARGET,
-            jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), dtype),
+            (
+                jax.ShapeDtypeStruct((m, n), dtype),
+                jax.ShapeDtypeStruct((plan["workspace_bytes"],), jnp.uint8),
+            ),
             vmap_method="sequential",
         )(x, codes, scales, amax)
+        return out
     w = reference.decode_bf16(codes[None], scales[None])[0]
     if path == "cublaslt":
         unit = jnp.full((1,), SCALE_RANGE, jnp.float32)  # alpha = amax / 2688
