@@ -118,18 +118,21 @@ def grouped_gemms(key):
 
 def w4a16_gemms(key):
     """The weight-only GEMM handler at every row-tile height, partial tiles
-    in M and N."""
+    in M and N, K in one slice and in slices of which the last is short."""
     from jax_nvfp4.backends import weight_only
 
-    w = nv.quantize(jax.random.normal(key, (512, 130)), axis=0)
-    path = "handler" if weight_only.handler_supported(512, 130) else "xla"
     outs = []
-    for m in (1, 17, 40, 100):
-        x = jax.random.normal(key, (m, 512), jnp.bfloat16)
-        for dtype in (jnp.bfloat16, jnp.float32):
-            outs.append(
-                weight_only.matmul_w4a16(x, w.codes, w.scales, w.amax, dtype, path=path)
-            )
+    for k in (512, 2176):
+        w = nv.quantize(jax.random.normal(key, (k, 130)), axis=0)
+        path = "handler" if weight_only.handler_supported(k, 130) else "xla"
+        for m in (1, 17, 40, 100):
+            x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            for dtype in (jnp.bfloat16, jnp.float32):
+                outs.append(
+                    weight_only.matmul_w4a16(
+                        x, w.codes, w.scales, w.amax, dtype, path=path
+                    )
+                )
     return outs
 
 
@@ -138,7 +141,7 @@ PARTS = {
     "gemm": "4 GEMMs",
     "recipe": "one dot step",
     "grouped": "the grouped GEMM's two forms",
-    "w4a16": "the weight-only GEMM at four row counts",
+    "w4a16": "the weight-only GEMM at four row counts and two K",
     "ragged": "one ragged_dot step",
 }
 
