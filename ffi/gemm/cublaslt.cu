@@ -150,7 +150,13 @@ bool Heuristic(cublasLtHandle_t handle, const MatmulDescriptors& desc,
   };
   cublasLtMatmulHeuristicResult_t result = {};
   int count = 0;
+  // Split K only with the partial sums kept in float32: the in-place and
+  // output-type schemes round them to the output type (bfloat16) before the
+  // final sum, and the spec rounds once.
+  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   const bool success =
+      ok("cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)",
+         pref(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction)) &&
       ok("cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)",
          pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, key.workspace)) &&
       ok("cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT_A_BYTES)",
