@@ -13,7 +13,8 @@ weight_only_gemm.cu) decodes the weight in registers: it reads 4.5 bits per
 weight element and no bfloat16 copy of the weight exists, which is what wins
 at the few rows of x of token-by-token generation. From ``MAX_HANDLER_ROWS``
 rows on, the GEMM is compute-bound and the cuBLASLt bf16 GEMM on the decoded
-weight is faster (``hopper.matmul_values``). The twin of both, and the path
+weight is faster (``hopper.matmul_values``; the weight decoded by the CUDA
+decode handler, as for training's GEMMs). The twin of both, and the path
 on the CPU: XLA's dot on the decoded weight (exact products, float32 sums in
 XLA's order).
 """
@@ -87,7 +88,10 @@ def matmul_w4a16(
             vmap_method="sequential",
         )(x, codes, scales, amax)
         return out
-    w = reference.decode_bf16(codes[None], scales[None])[0]
+    if path == "cublaslt" and hopper.DECODE_TARGET in library.targets_on("cuda"):
+        w = hopper.decode_bf16_cuda(codes, scales)  # same values, one kernel
+    else:
+        w = reference.decode_bf16(codes[None], scales[None])[0]
     if path == "cublaslt":
         unit = jnp.full((1,), SCALE_RANGE, jnp.float32)  # alpha = amax / 2688
         return hopper.matmul_values(x[None], w[None], unit, amax, dtype)[0]
