@@ -16,7 +16,15 @@ PyTorch orientation, ready for ``checkpoint.export_nvfp4``:
   with no mapping raises, naming it (pass ``renames`` to add some);
 * tensors: a Flax ``kernel`` [in, out] becomes ``weight`` [out, in]; an
   ``embedding`` or a norm's ``scale`` becomes ``weight``; an Equinox
-  ``weight`` is already [out, in].
+  ``weight`` is already [out, in];
+* mixtures of experts: in a block's ``mlp``, the router (``router``) and
+  expert stacks (a projection with an expert axis, in
+  ``jax.lax.ragged_dot``'s [E, in, out] layout, as ``jax_nvfp4``'s
+  ``Experts`` layers hold it) take Mixtral's names
+  (``block_sparse_moe.gate``, ``block_sparse_moe.experts.3.w1``: ``w1``
+  gate, ``w3`` up, ``w2`` down) or, with ``moe="qwen"``, Qwen-MoE's
+  (``mlp.gate``, ``mlp.experts.3.gate_proj``), one [out, in] tensor per
+  expert.
 
 Only floating-point arrays are taken (Equinox's per-layer NVFP4 switches and
 other integer or boolean leaves are not weights). The policy's layer choice
@@ -60,6 +68,21 @@ BLOCK_PARTS = {
     "w1": "gate_proj",
     "w3": "up_proj",
     "w2": "down_proj",
+    "router": "gate",
+}
+# Mixture-of-experts naming styles: (the block's MoE module, its router,
+# {expert projection: its name}).
+MOE_STYLES = {
+    "mixtral": (
+        "block_sparse_moe",
+        "gate",
+        {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+    ),
+    "qwen": (
+        "mlp",
+        "gate",
+        {p: p for p in ("gate_proj", "up_proj", "down_proj")},
+    ),
 }
 # Parts outside the blocks -> their Hugging Face module.
 TOP_PARTS = {
@@ -121,6 +144,7 @@ def llama_weights(
     *,
     stacks: Sequence[str] = ("layers",),
     renames: Mapping[str, str] | None = None,
+    moe: str = "mixtral",
 ) -> dict[str, jax.Array]:
     """``{Hugging Face Llama name: array}`` of a Llama-like model.
 
@@ -134,16 +158,24 @@ def llama_weights(
       renames: more spellings, ``{part: Hugging Face part}``: a block part
         (``{"mixer": "self_attn"}``) or a top-level module
         (``{"tok_emb": "model.embed_tokens"}``).
+      moe: the naming of mixture-of-experts blocks, ``"mixtral"`` or
+        ``"qwen"`` (see the module's docstring). With Qwen's names, the
+        router ``mlp.gate`` matches ``transformer_policy``'s ``*mlp*``: add
+        ``"*mlp.gate"`` to its ``bf16_patterns``.
 
     Returns:
       ``{"model.layers.0.mlp.up_proj.weight": [out, in] array, ...}``.
 
     Raises:
       ValueError: a path with a part that maps to no Llama name, two paths
-        that map to one name, or a stack whose leading axes disagree.
+        that map to one name, a stack whose leading axes disagree, or a
+        router or expert stack outside a block's MLP.
     """
     if isinstance(stacks, str):
         raise TypeError(f"stacks is a sequence of names; got {stacks!r}")
+    if moe not in MOE_STYLES:
+        raise ValueError(f"moe must be one of {sorted(MOE_STYLES)}, got {moe!r}")
+    moe_module, router, expert_names = MOE_STYLES[moe]
     block_parts = {**BLOCK_PARTS, **(renames or {})}
     top_parts = {**TOP_PARTS, **(renames or {})}
     flat = flat_arrays(model)
@@ -195,20 +227,38 @@ def llama_weights(
             if part not in block_parts:
                 raise unknown(part, path)
             mapped.append(block_parts[part])
-        module = ".".join(mapped)
-        if number is not None:
-            put(
-                f"model.layers.{number}.{module}.{tensor}",
-                _oriented(value, transposed),
-                path,
+        per_layer = value.ndim - (number is None)
+        is_router, is_experts = mapped[-1] == "gate", per_layer == 3
+        if (is_router or is_experts) and mapped[:1] != ["mlp"]:
+            raise ValueError(
+                f"{path!r}: a router or expert stack (3-D per layer) belongs in a "
+                "block's mlp; rename its parts with renames="
             )
-            continue
-        for i in range(value.shape[0]):
-            put(
-                f"model.layers.{offsets[stack] + i}.{module}.{tensor}",
-                _oriented(value[i], transposed),
-                path,
+        if is_experts and (len(mapped) != 2 or mapped[1] not in expert_names):
+            raise ValueError(
+                f"{path!r}: an expert stack must be the mlp's gate_proj, up_proj "
+                "or down_proj (or w1, w3, w2)"
             )
+        if is_router:
+            module = f"{moe_module}.{router}"
+        elif is_experts:
+            module = f"{moe_module}.experts.{{expert}}.{expert_names[mapped[1]]}"
+        else:
+            module = ".".join(mapped)
+        layers = (
+            [(number, value)]
+            if number is not None
+            else [(offsets[stack] + i, value[i]) for i in range(value.shape[0])]
+        )
+        for layer, layer_value in layers:
+            prefix = f"model.layers.{layer}"
+            if not is_experts:
+                name = f"{prefix}.{module}.{tensor}"
+                put(name, _oriented(layer_value, transposed), path)
+                continue
+            for e in range(layer_value.shape[0]):  # [E, in, out] -> [out, in]
+                name = f"{prefix}.{module.format(expert=e)}.{tensor}"
+                put(name, _oriented(layer_value[e], True), path)
     return out
 
 

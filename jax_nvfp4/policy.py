@@ -220,8 +220,13 @@ def transformer_policy(
     *,
     recipe: Recipe = NVFP4,
     keep_last: int = 1,
-    nvfp4_patterns: Sequence[str] = ("*mlp*", "*ffn*", "*feed_forward*"),
-    bf16_patterns: Sequence[str] = ("*router*",),
+    nvfp4_patterns: Sequence[str] = (
+        "*mlp*",
+        "*ffn*",
+        "*feed_forward*",
+        "*block_sparse_moe.experts*",
+    ),
+    bf16_patterns: Sequence[str] = ("*router*", "*block_sparse_moe.gate"),
 ) -> Policy:
     """The default policy for a transformer with ``num_layers`` blocks.
 
@@ -237,7 +242,7 @@ def transformer_policy(
       bf16_patterns: globs of paths that stay in bf16 although an
         ``nvfp4_patterns`` glob matches them (checked first): by default
         mixture-of-experts routers (their N is the expert count, and the
-        recipe keeps them in high precision). For a model
+        recipe keeps them in high precision), also under Mixtral's name. For a model
         whose last blocks are a stack of their own (``"tail.*"``): inside one
         scanned stack, ``keep_last`` needs a per-layer switch, and under
         ``grad`` a switch keeps both its branches' residuals.

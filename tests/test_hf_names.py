@@ -154,3 +154,91 @@ def test_export_applies_the_policy_to_the_names(tmp_path):
     loaded = checkpoint.import_nvfp4(tmp_path)
     assert set(loaded.quantized) == set(mlp)
     assert isinstance(next(iter(loaded.quantized.values())), nv.NVFP4Tensor)
+
+
+def _moe_names(layers, experts, style="mixtral"):
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    moe, projections = {
+        "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+        "qwen": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    }[style]
+    parts = [
+        "input_layernorm",
+        "post_attention_layernorm",
+        *(f"self_attn.{p}_proj" for p in "qkvo"),
+        f"{moe}.gate",
+    ]
+    parts += [f"{moe}.experts.{e}.{p}" for e in range(experts) for p in projections]
+    for i in range(layers):
+        names |= {f"model.layers.{i}.{p}.weight" for p in parts}
+    return names
+
+
+@pytest.mark.parametrize("style", ["mixtral", "qwen"])
+def test_experts_take_mixtral_or_qwen_names(style):
+    """The Equinox example's MoE blocks: the router and one [out, in] tensor
+    per expert (Experts hold [E, in, out]), under either naming."""
+    import llama_equinox
+
+    args = _args()
+    args.experts, args.top_k = 4, 2
+    model = llama_equinox.to_bf16(llama_equinox.build(args)[0])
+    got = hf_names.llama_weights(model, stacks=("layers", "tail"), moe=style)
+    assert set(got) == _moe_names(LAYERS, 4, style)
+    gate = model.layers.mlp.gate_proj.weight  # [layers - 1, E, d, ffn]
+    name = {
+        "mixtral": "block_sparse_moe.experts.2.w1",
+        "qwen": "mlp.experts.2.gate_proj",
+    }
+    np.testing.assert_array_equal(
+        got[f"model.layers.1.{name[style]}.weight"], gate[1, 2].T
+    )
+    router = {"mixtral": "block_sparse_moe.gate", "qwen": "mlp.gate"}[style]
+    assert got[f"model.layers.0.{router}.weight"].shape == (4, D)
+
+
+def test_flax_experts_and_the_export_of_mixtral_names(tmp_path):
+    """The Flax NNX example's experts (kernels [E, in, out]) under Mixtral's
+    names; transformer_policy puts blocks 0-1's experts in NVFP4 and keeps
+    the routers and block 2 in bf16."""
+    import llama_flax
+
+    args = _args()
+    args.experts, args.top_k = 2, 1
+    model = llama_flax.build(args)[0]
+    weights = hf_names.llama_weights(model, stacks=("layers", "tail"))
+    assert set(weights) == _moe_names(LAYERS, 2)
+    kernel = np.asarray(jax.tree.leaves(model.layers.mlp.down_proj.kernel)[0])
+    np.testing.assert_array_equal(
+        weights["model.layers.0.block_sparse_moe.experts.1.w2.weight"], kernel[0, 1].T
+    )
+    weights = {k: jnp.asarray(v, jnp.bfloat16) for k, v in weights.items()}
+    experts = [
+        f"model.layers.{i}.block_sparse_moe.experts.{e}.{p}"
+        for i in (0, 1)
+        for e in (0, 1)
+        for p in ("w1", "w2", "w3")
+    ]
+    checkpoint.export_nvfp4(
+        weights,
+        tmp_path,
+        nvfp4=transformer_policy(3, keep_last=1),
+        input_amax={m: 1.0 for m in experts},
+    )
+    config = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    excluded = set(config["quantization"]["exclude_modules"])
+    assert "model.layers.0.block_sparse_moe.gate" in excluded
+    assert "model.layers.2.block_sparse_moe.experts.0.w1" in excluded
+    assert not excluded & set(experts)
+    assert set(checkpoint.import_nvfp4(tmp_path).quantized) == set(experts)
+
+
+def test_experts_outside_an_mlp_are_refused():
+    params = {"layers_0": {"attention": {"wq": {"kernel": np.zeros((2, D, D))}}}}
+    with pytest.raises(ValueError, match="belongs in a block's mlp"):
+        hf_names.llama_weights(params)
+    params = {"layers_0": {"mlp": {"mixer": {"kernel": np.zeros((2, D, D))}}}}
+    with pytest.raises(ValueError, match="expert stack must be"):
+        hf_names.llama_weights(params, renames={"mixer": "mixer"})
+    with pytest.raises(ValueError, match="moe must be one of"):
+        hf_names.llama_weights({}, moe="deepseek")

@@ -144,7 +144,13 @@ def test_unmatched_rules_warn_with_the_paths_found():
         warn_unmatched_rules(policy, paths)
     # One rule matching is enough: the default policy's globs are alternatives.
     partly = transformer_policy(2)
-    assert partly.unmatched_rules(paths) == ["*router*", "*ffn*", "*feed_forward*"]
+    assert partly.unmatched_rules(paths) == [
+        "*router*",
+        "*block_sparse_moe.gate",
+        "*ffn*",
+        "*feed_forward*",
+        "*block_sparse_moe.experts*",
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_unmatched_rules(partly, paths)
