@@ -12,7 +12,10 @@
    vLLM, SGLang and TensorRT-LLM load), imports it back
    (``checkpoint.import_nvfp4``) and checks that its FP4 bytes are those the
    training forward pass used (``quantize`` of the bf16 weight in 16x16
-   tiles).
+   tiles). It keeps each layer's own scales (``fuse=()``) for that check; a
+   checkpoint for an engine that runs gate_proj and up_proj as one GEMM
+   (vLLM, SGLang, TensorRT-LLM) leaves ``fuse`` at its default, which gives
+   the two one shared scale (``jax_nvfp4.checkpoint``'s docstring).
 4. Serves from the imported tensors: each NVFP4 projection is
    ``jax_nvfp4.matmul(x, w)`` with bfloat16 activations (W4A16; on GPUs the
    weight is decoded inside the GEMM), the other layers bf16. It prints how
@@ -183,7 +186,9 @@ def main(argv=None) -> dict:
 
     input_amax = checkpoint.calibrate(record_inputs, windows)
     directory = args.export_dir or tempfile.mkdtemp(prefix="serve_nvfp4_")
-    checkpoint.export_nvfp4(weights, directory, nvfp4=nvfp4, input_amax=input_amax)
+    checkpoint.export_nvfp4(
+        weights, directory, nvfp4=nvfp4, input_amax=input_amax, fuse=()
+    )
     loaded = checkpoint.import_nvfp4(directory)
     served = {
         **loaded.tensors,

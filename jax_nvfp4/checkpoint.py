@@ -37,13 +37,26 @@ them when they agree with the scales: export -> import -> export gives
 byte-identical files and the same ``NVFP4Tensor``s. A checkpoint from another
 producer (no such metadata) imports with ``amax = weight_scale_2 * 2688``,
 which gives back the same ``weight_scale_2``.
+
+Fused layers: the serving engines load some sibling layers as one GEMM
+(``q_proj``, ``k_proj``, ``v_proj`` as ``qkv_proj``; ``gate_proj`` and
+``up_proj``; an expert's ``w1`` and ``w3``) with one ``weight_scale_2`` and
+one ``input_scale``: vLLM and SGLang take the largest of the shards' and
+keep each shard's block scales (a shard quantized with a smaller amax then
+dequantizes too large), TensorRT-LLM refuses unequal ones. ModelOpt's
+exporter therefore quantizes such shards with a shared amax, and so does
+``export_nvfp4`` by default (``fuse``): each shard is quantized with the
+largest weight amax of its group and given the largest input amax. The
+shard with that amax keeps training's FP4 bytes; the others are requantized
+from their weights. ``fuse=()`` keeps every layer's own scales (training's
+bytes everywhere), for consumers that do not fuse.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -69,6 +82,7 @@ __all__ = [
     "NVFP4Checkpoint",
     "calibrate",
     "export_nvfp4",
+    "FUSED_GROUPS",
     "import_nvfp4",
 ]
 
@@ -85,6 +99,9 @@ _WEIGHT, _SCALE, _SCALE_2, _INPUT_SCALE = (
     ".input_scale",
 )
 _TENSOR_SUFFIXES = (_WEIGHT, ".bias")
+# Sibling layers the serving engines fuse into one GEMM with one tensor
+# scale (by their last name; siblings share the rest of the name).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
 
 class NVFP4Checkpoint(NamedTuple):
@@ -154,6 +171,7 @@ def export_nvfp4(
     input_amax: Mapping[str, Any] | None = None,
     recipe: Recipe = NVFP4,
     dtype=None,
+    fuse: Iterable[Sequence[str]] = FUSED_GROUPS,
 ) -> Path:
     """Writes ``weights`` as a ModelOpt NVFP4 checkpoint in ``directory``.
 
@@ -179,6 +197,9 @@ def export_nvfp4(
         tensor's own amax, so the FP4 bytes are training's.
       dtype: if given, the dtype of the other floating-point tensors (e.g.
         ``jnp.bfloat16``); by default each keeps its own.
+      fuse: groups of sibling layer names that serving engines fuse (the
+        module docstring): the NVFP4 layers of a group share the largest
+        weight amax and input amax. ``()``: every layer keeps its own.
 
     Returns:
       The directory.
@@ -238,14 +259,17 @@ def export_nvfp4(
             "layer's input during training, or run checkpoint.calibrate"
         )
 
+    x_amaxes = {m: _float32(amaxes[m], f"input_amax[{m!r}]") for m in selected}
+    shared = _shared_amaxes(linears, recipes, x_amaxes, fuse)
+
     out: dict[str, np.ndarray] = {}
     layers_meta: dict[str, dict[str, str]] = {}
     for module in selected:
         layer_recipe = recipes[module]
         assert layer_recipe is not None
-        t = _quantize_weight(module, linears[module], layer_recipe)
+        w_amax, x_amax = shared.get(module, (None, x_amaxes[module]))
+        t = _quantize_weight(module, linears[module], layer_recipe, w_amax)
         amax = _float32(t.amax, f"{module!r}: the weight's amax")
-        x_amax = _float32(amaxes[module], f"input_amax[{module!r}]")
         out[module + _WEIGHT] = np.asarray(t.codes, np.uint8)
         out[module + _SCALE] = np.asarray(t.scales)
         out[module + _SCALE_2] = _scale_of(amax)
@@ -288,8 +312,64 @@ def export_nvfp4(
     return directory
 
 
-def _quantize_weight(module: str, value, recipe: Recipe) -> NVFP4Tensor:
-    """The FP4 weight of training's FPROP for a ``[N, K]`` weight."""
+def _weight_amax(module: str, value) -> np.float32:
+    if isinstance(value, NVFP4Tensor):
+        return _float32(value.amax, f"{module!r}: the weight's amax")
+    return _float32(global_amax(jnp.asarray(value)), f"{module!r}: the weight's amax")
+
+
+def _shared_amaxes(linears, recipes, x_amaxes, fuse):
+    """{module: (weight amax, input amax)} shared by the NVFP4 layers of each
+    fused group of siblings present; checks that a group is all NVFP4 or all
+    bf16, and that already quantized members agree."""
+    if isinstance(fuse, str) or any(isinstance(g, str) for g in fuse):
+        raise TypeError(
+            "fuse is a sequence of groups of layer names, e.g. "
+            "(('q_proj', 'k_proj', 'v_proj'),); () fuses none"
+        )
+    groups = {}
+    for module in linears:
+        parent, _, leaf = module.rpartition(".")
+        for spec in fuse:
+            if leaf in spec:
+                members = tuple(
+                    m
+                    for m in (f"{parent}.{s}" if parent else s for s in spec)
+                    if m in linears
+                )
+                if len(members) > 1:
+                    groups[members] = None
+    shared = {}
+    for members in groups:
+        nvfp4 = [m for m in members if recipes[m] is not None]
+        if not nvfp4:
+            continue
+        if len(nvfp4) != len(members):
+            rest = sorted(set(members) - set(nvfp4))
+            raise ValueError(
+                f"{sorted(nvfp4)} would be NVFP4 but {rest} bf16: serving "
+                "engines load these layers as one fused GEMM, all NVFP4 or all "
+                "bf16. Choose the whole group, or pass fuse=() for a consumer "
+                "that does not fuse them"
+            )
+        w_amaxes = {m: _weight_amax(m, linears[m]) for m in members}
+        w_amax = max(w_amaxes.values())
+        fixed = [m for m in members if isinstance(linears[m], NVFP4Tensor)]
+        if any(w_amaxes[m] != w_amax for m in fixed):
+            raise ValueError(
+                f"{members}: already quantized with different amaxes "
+                f"({[float(w_amaxes[m]) for m in members]}), which a fused GEMM "
+                "cannot share; export them from their unquantized weights, or "
+                "pass fuse=()"
+            )
+        x_amax = max(x_amaxes[m] for m in members)
+        shared.update({m: (w_amax, x_amax) for m in members})
+    return shared
+
+
+def _quantize_weight(module: str, value, recipe: Recipe, amax=None) -> NVFP4Tensor:
+    """The FP4 weight of training's FPROP for a ``[N, K]`` weight, or with
+    the given tensor amax (a fused group's)."""
     if isinstance(value, NVFP4Tensor):
         _check_nvfp4_tensor(module, value)
         return value
@@ -317,6 +397,7 @@ def _quantize_weight(module: str, value, recipe: Recipe) -> NVFP4Tensor:
         w,
         1,
         block="16x16" if tile else "1x16",
+        amax=None if amax is None else jnp.float32(amax),
         implementation=recipe.implementation,
     )
 

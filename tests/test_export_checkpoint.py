@@ -491,3 +491,109 @@ def test_sharded_checkpoint_and_dtype(tmp_path):
     for name, t in one.quantized.items():
         np.testing.assert_array_equal(t.codes, many.quantized[name].codes)
         assert np.float32(t.amax) == np.float32(many.quantized[name].amax)
+
+
+# --------------------------------------------------------------------------
+# fused layers
+
+
+def _fused_block(seed=0):
+    """q/k/v and gate/up of one block, each with its own amax."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    prefix = "model.layers.0."
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    names += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    return {
+        prefix + n: jax.random.normal(key, (32, 32), jnp.float32) * (1 + i)
+        for i, (n, key) in enumerate(zip(names, keys, strict=True))
+    }
+
+
+def test_fused_siblings_share_their_scales(tmp_path):
+    """q/k/v and gate/up (loaded by serving engines as one GEMM each) share
+    the largest weight amax and input amax of their group; the shard with
+    that amax keeps training's bytes, the others are quantized with it;
+    down_proj keeps its own."""
+    weights = _fused_block()
+    amax = {m: 1.0 + i for i, m in enumerate(weights)}
+    export_nvfp4(weights, tmp_path / "a", nvfp4=set(weights), input_amax=amax)
+    tensors, _, _ = read_st(tmp_path / "a" / "model.safetensors")
+    qkv = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    gate_up = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up")]
+    down = "model.layers.0.mlp.down_proj"
+    for group in (qkv, gate_up):
+        w_amax = max(jax_nvfp4.global_amax(weights[m]) for m in group)
+        for m in group:
+            assert tensors[m + ".weight_scale_2"] == np.float32(w_amax) / np.float32(
+                2688
+            )
+            assert tensors[m + ".input_scale"] == np.float32(
+                max(amax[g] for g in group)
+            ) / np.float32(2688)
+            want = jax_nvfp4.quantize(weights[m], 1, block="16x16", amax=w_amax)
+            assert tensors[m + ".weight"].tobytes() == np.asarray(want.codes).tobytes()
+            assert (
+                tensors[m + ".weight_scale"].tobytes()
+                == np.asarray(want.scales).tobytes()
+            )
+        # The largest shard's bytes are training's own.
+        own = jax_nvfp4.quantize(weights[group[-1]], 1, block="16x16")
+        assert (
+            tensors[group[-1] + ".weight"].tobytes() == np.asarray(own.codes).tobytes()
+        )
+    own = jax_nvfp4.quantize(weights[down], 1, block="16x16")
+    assert tensors[down + ".weight_scale_2"] == np.float32(own.amax) / np.float32(2688)
+    # Re-exporting the import writes the same files; the reader agrees.
+    ckpt = import_nvfp4(tmp_path / "a")
+    export_nvfp4(
+        {**ckpt.quantized, **ckpt.tensors},
+        tmp_path / "b",
+        nvfp4=set(ckpt.quantized),
+        input_amax=ckpt.input_amax,
+    )
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "model.safetensors"
+    ).read_bytes()
+    # What an engine dequantizes with the group's one weight_scale_2 is our
+    # dequantize of the imported shard, up to the float32 roundings of the
+    # two orders (two on the engine's side, up to four on ours).
+    for m in weights:
+        served = serve_dequantize(tensors, m)[1]
+        ours = np.asarray(jax_nvfp4.dequantize(ckpt.quantized[m], jnp.float32))
+        assert np.all(np.abs(served - ours) <= 4 * np.spacing(np.abs(ours)))
+    # fuse=(): every layer its own scales, training's bytes.
+    export_nvfp4(weights, tmp_path / "c", nvfp4=set(weights), input_amax=amax, fuse=())
+    plain, _, _ = read_st(tmp_path / "c" / "model.safetensors")
+    for m in weights:
+        own = jax_nvfp4.quantize(weights[m], 1, block="16x16")
+        assert plain[m + ".weight"].tobytes() == np.asarray(own.codes).tobytes()
+        assert plain[m + ".input_scale"] == np.float32(amax[m]) / np.float32(2688)
+
+
+def test_fused_groups_all_nvfp4_or_all_bf16(tmp_path):
+    weights = _fused_block(1)
+    amax = dict.fromkeys(weights, 1.0)
+    half = {"model.layers.0.mlp.gate_proj"}
+    with pytest.raises(ValueError, match="one fused GEMM"):
+        export_nvfp4(weights, tmp_path / "a", nvfp4=half, input_amax=amax)
+    export_nvfp4(weights, tmp_path / "b", nvfp4=half, input_amax=amax, fuse=())
+    # Already quantized shards with different amaxes cannot share a scale.
+    ckpt_dir = export_nvfp4(
+        weights, tmp_path / "c", nvfp4=set(weights), input_amax=amax, fuse=()
+    )
+    ckpt = import_nvfp4(ckpt_dir)
+    with pytest.raises(ValueError, match="already quantized with different amaxes"):
+        export_nvfp4(
+            ckpt.quantized,
+            tmp_path / "d",
+            nvfp4=set(ckpt.quantized),
+            input_amax=ckpt.input_amax,
+        )
+    with pytest.raises(TypeError, match="sequence of groups"):
+        export_nvfp4(
+            weights,
+            tmp_path / "e",
+            nvfp4=set(weights),
+            input_amax=amax,
+            fuse=("q_proj", "k_proj"),
+        )
