@@ -49,7 +49,8 @@ exporter therefore quantizes such shards with a shared amax, and so does
 largest weight amax of its group and given the largest input amax. The
 shard with that amax keeps training's FP4 bytes; the others are requantized
 from their weights. ``fuse=()`` keeps every layer's own scales (training's
-bytes everywhere), for consumers that do not fuse.
+bytes everywhere), for consumers that do not fuse. Layers that are already
+``NVFP4Tensor``s (an import) are written as they are.
 """
 
 from __future__ import annotations
@@ -321,12 +322,17 @@ def _weight_amax(module: str, value) -> np.float32:
 def _shared_amaxes(linears, recipes, x_amaxes, fuse):
     """{module: (weight amax, input amax)} shared by the NVFP4 layers of each
     fused group of siblings present; checks that a group is all NVFP4 or all
-    bf16, and that already quantized members agree."""
-    if isinstance(fuse, str) or any(isinstance(g, str) for g in fuse):
+    bf16. A group of already quantized layers (an import) is written as it
+    is, so that export -> import -> export gives the same files; a group
+    mixing quantized and unquantized layers needs the quantized ones to hold
+    the group's largest amax."""
+    groups_given = [] if isinstance(fuse, str) else list(fuse)
+    if isinstance(fuse, str) or any(isinstance(g, str) for g in groups_given):
         raise TypeError(
             "fuse is a sequence of groups of layer names, e.g. "
             "(('q_proj', 'k_proj', 'v_proj'),); () fuses none"
         )
+    fuse = [tuple(g) for g in groups_given]
     groups = {}
     for module in linears:
         parent, _, leaf = module.rpartition(".")
@@ -352,9 +358,11 @@ def _shared_amaxes(linears, recipes, x_amaxes, fuse):
                 "bf16. Choose the whole group, or pass fuse=() for a consumer "
                 "that does not fuse them"
             )
+        fixed = [m for m in members if isinstance(linears[m], NVFP4Tensor)]
+        if len(fixed) == len(members):
+            continue  # already quantized (an import): written as they are
         w_amaxes = {m: _weight_amax(m, linears[m]) for m in members}
         w_amax = max(w_amaxes.values())
-        fixed = [m for m in members if isinstance(linears[m], NVFP4Tensor)]
         if any(w_amaxes[m] != w_amax for m in fixed):
             raise ValueError(
                 f"{members}: already quantized with different amaxes "

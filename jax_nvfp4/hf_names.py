@@ -159,9 +159,8 @@ def llama_weights(
         (``{"mixer": "self_attn"}``) or a top-level module
         (``{"tok_emb": "model.embed_tokens"}``).
       moe: the naming of mixture-of-experts blocks, ``"mixtral"`` or
-        ``"qwen"`` (see the module's docstring). With Qwen's names, the
-        router ``mlp.gate`` matches ``transformer_policy``'s ``*mlp*``: add
-        ``"*mlp.gate"`` to its ``bf16_patterns``.
+        ``"qwen"`` (see the module's docstring); ``transformer_policy``
+        keeps either router in bf16.
 
     Returns:
       ``{"model.layers.0.mlp.up_proj.weight": [out, in] array, ...}``.

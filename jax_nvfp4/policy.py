@@ -226,7 +226,11 @@ def transformer_policy(
         "*feed_forward*",
         "*block_sparse_moe.experts*",
     ),
-    bf16_patterns: Sequence[str] = ("*router*", "*block_sparse_moe.gate"),
+    bf16_patterns: Sequence[str] = (
+        "*router*",
+        "*block_sparse_moe.gate",
+        "*mlp.gate",
+    ),
 ) -> Policy:
     """The default policy for a transformer with ``num_layers`` blocks.
 
@@ -242,7 +246,9 @@ def transformer_policy(
       bf16_patterns: globs of paths that stay in bf16 although an
         ``nvfp4_patterns`` glob matches them (checked first): by default
         mixture-of-experts routers (their N is the expert count, and the
-        recipe keeps them in high precision), also under Mixtral's name. For a model
+        recipe keeps them in high precision), also under Mixtral's and
+        Qwen-MoE's names (``block_sparse_moe.gate``, ``mlp.gate``; a dense
+        MLP's ``gate_proj`` is not matched). For a model
         whose last blocks are a stack of their own (``"tail.*"``): inside one
         scanned stack, ``keep_last`` needs a per-layer switch, and under
         ``grad`` a switch keeps both its branches' residuals.

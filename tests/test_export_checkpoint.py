@@ -577,18 +577,39 @@ def test_fused_groups_all_nvfp4_or_all_bf16(tmp_path):
     with pytest.raises(ValueError, match="one fused GEMM"):
         export_nvfp4(weights, tmp_path / "a", nvfp4=half, input_amax=amax)
     export_nvfp4(weights, tmp_path / "b", nvfp4=half, input_amax=amax, fuse=())
-    # Already quantized shards with different amaxes cannot share a scale.
+    # An import of per-layer scales re-exports as it is, fused or not.
     ckpt_dir = export_nvfp4(
         weights, tmp_path / "c", nvfp4=set(weights), input_amax=amax, fuse=()
     )
     ckpt = import_nvfp4(ckpt_dir)
+    export_nvfp4(
+        {**ckpt.quantized, **ckpt.tensors},
+        tmp_path / "d",
+        nvfp4=set(ckpt.quantized),
+        input_amax=ckpt.input_amax,
+    )
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == (
+        tmp_path / "d" / "model.safetensors"
+    ).read_bytes()
+    # A quantized shard beside an unquantized one must hold the largest amax.
+    gate, up = "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"
+    mixed = {**weights, gate: ckpt.quantized[gate]}  # gate's amax < up's
     with pytest.raises(ValueError, match="already quantized with different amaxes"):
-        export_nvfp4(
-            ckpt.quantized,
-            tmp_path / "d",
-            nvfp4=set(ckpt.quantized),
-            input_amax=ckpt.input_amax,
-        )
+        export_nvfp4(mixed, tmp_path / "e", nvfp4=set(weights), input_amax=amax)
+    assert np.float32(ckpt.quantized[gate].amax) < np.float32(
+        jax_nvfp4.global_amax(weights[up])
+    )
+    # fuse as a one-shot iterator works like the tuple.
+    export_nvfp4(
+        weights,
+        tmp_path / "f",
+        nvfp4=set(weights),
+        input_amax=amax,
+        fuse=iter(checkpoint.FUSED_GROUPS),
+    )
+    assert (tmp_path / "f" / "model.safetensors").read_bytes() == export_nvfp4(
+        weights, tmp_path / "g", nvfp4=set(weights), input_amax=amax
+    ).joinpath("model.safetensors").read_bytes()
     with pytest.raises(TypeError, match="sequence of groups"):
         export_nvfp4(
             weights,

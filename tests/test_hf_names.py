@@ -195,6 +195,10 @@ def test_experts_take_mixtral_or_qwen_names(style):
     )
     router = {"mixtral": "block_sparse_moe.gate", "qwen": "mlp.gate"}[style]
     assert got[f"model.layers.0.{router}.weight"].shape == (4, D)
+    # The default policy keeps the router in bf16 and the experts in NVFP4.
+    policy = transformer_policy(LAYERS)
+    assert policy.recipe_for(f"model.layers.0.{router}") is None
+    assert policy.recipe_for(f"model.layers.0.{name[style]}") is not None
 
 
 def test_flax_experts_and_the_export_of_mixtral_names(tmp_path):

@@ -147,6 +147,7 @@ def test_unmatched_rules_warn_with_the_paths_found():
     assert partly.unmatched_rules(paths) == [
         "*router*",
         "*block_sparse_moe.gate",
+        "*mlp.gate",
         "*ffn*",
         "*feed_forward*",
         "*block_sparse_moe.experts*",

@@ -39,8 +39,8 @@ cudaError_t LaunchPlanned(cudaStream_t stream, const w4a16::Args& a,
     return w4a16::LaunchConfig<1, 2, 3, 16, Out>(stream, a, slices);
   if (c.m_tiles == 2 && c.tiles == 2 && c.depth == 2 && c.chunks == 8)
     return w4a16::LaunchConfig<2, 2, 2, 8, Out>(stream, a, slices);
-  if (c.m_tiles == 4 && c.tiles == 2 && c.depth == 2 && c.chunks == 8)
-    return w4a16::LaunchConfig<4, 2, 2, 8, Out>(stream, a, slices);
+  if (c.m_tiles == 4 && c.tiles == 2 && c.depth == 2 && c.chunks == 4)
+    return w4a16::LaunchConfig<4, 2, 2, 4, Out>(stream, a, slices);
   return cudaErrorInvalidConfiguration;
 }
 

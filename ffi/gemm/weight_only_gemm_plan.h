@@ -44,12 +44,16 @@ inline constexpr int kW4A16MaxGrid = 65535;  // grid.y and grid.z
 // so taller tiles win as M grows; at one tile (M <= 16) long slices keep
 // more of the weight in flight per CTA. A slice's x fragments sit in shared
 // memory (16 * m_tiles rows by 128 * chunks elements), which bounds chunks.
-// The handler serves few rows (the dispatcher sends M > 64 elsewhere); at
-// large M the partial sums, [slices, M, N] float32, grow with M.
+// Each configuration's x slice is 64 KB of shared memory, which every GPU of
+// compute capability >= 8.0 grants a block (sm_86 and sm_89: 99 KB). The
+// partial sums, [slices, M, N] float32, take K * N * M / (128 * chunks * 8)
+// bytes: at most 0.9x the FP4 weight's bytes up to M = 64. The handler serves
+// few rows (the dispatcher sends M > 64 elsewhere); called with more, the
+// partial sums grow with M.
 inline W4A16Config ChooseW4A16Config(int64_t m) {
   if (m <= 16) return {1, 2, 3, 16};
   if (m <= 32) return {2, 2, 2, 8};
-  return {4, 2, 2, 8};
+  return {4, 2, 2, 4};
 }
 
 // Empty on success; otherwise what the caller must change.
