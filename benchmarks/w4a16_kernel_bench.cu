@@ -66,17 +66,9 @@ __global__ void Reference(const __nv_bfloat16* x, const uint8_t* codes,
 template <typename Out>
 cudaError_t Launch(cudaStream_t stream, const w4a16::Args& a,
                    const W4A16Plan& p) {
-  cudaError_t e = cudaMemsetAsync(a.arrivals, 0, p.arrivals_bytes, stream);
-  if (e != cudaSuccess) return e;
-  const int slices = static_cast<int>(p.slices);
-  const W4A16Config c = p.config;
-  if (c.m_tiles == 1 && c.tiles == 2 && c.depth == 3 && c.chunks == 16)
-    return w4a16::LaunchConfig<1, 2, 3, 16, Out>(stream, a, slices);
-  if (c.m_tiles == 2 && c.tiles == 2 && c.depth == 2 && c.chunks == 8)
-    return w4a16::LaunchConfig<2, 2, 2, 8, Out>(stream, a, slices);
-  if (c.m_tiles == 4 && c.tiles == 2 && c.depth == 2 && c.chunks == 4)
-    return w4a16::LaunchConfig<4, 2, 2, 4, Out>(stream, a, slices);
-  return cudaErrorInvalidConfiguration;  // a configuration not listed here
+  const cudaError_t e =
+      cudaMemsetAsync(a.arrivals, 0, p.arrivals_bytes, stream);
+  return e != cudaSuccess ? e : w4a16::LaunchPlanned<Out>(stream, a, p);
 }
 
 template <typename F>

@@ -29,21 +29,6 @@ ffi::Error Failed(const char* what, cudaError_t err) {
                         " failed: " + cudaGetErrorString(err));
 }
 
-template <typename Out>
-cudaError_t LaunchPlanned(cudaStream_t stream, const w4a16::Args& a,
-                          const W4A16Plan& p) {
-  const int slices = static_cast<int>(p.slices);
-  const W4A16Config c = p.config;
-  // The configurations ChooseW4A16Config returns.
-  if (c.m_tiles == 1 && c.tiles == 2 && c.depth == 3 && c.chunks == 16)
-    return w4a16::LaunchConfig<1, 2, 3, 16, Out>(stream, a, slices);
-  if (c.m_tiles == 2 && c.tiles == 2 && c.depth == 2 && c.chunks == 8)
-    return w4a16::LaunchConfig<2, 2, 2, 8, Out>(stream, a, slices);
-  if (c.m_tiles == 4 && c.tiles == 2 && c.depth == 2 && c.chunks == 4)
-    return w4a16::LaunchConfig<4, 2, 2, 4, Out>(stream, a, slices);
-  return cudaErrorInvalidConfiguration;
-}
-
 ffi::Error MatmulW4A16Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                            ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
                            ffi::Buffer<ffi::F32> amax,
@@ -91,10 +76,10 @@ ffi::Error MatmulW4A16Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
     return Failed("the workspace's memset", launched);
   switch (out->element_type()) {
     case ffi::DataType::BF16:
-      launched = LaunchPlanned<__nv_bfloat16>(stream, a, plan);
+      launched = w4a16::LaunchPlanned<__nv_bfloat16>(stream, a, plan);
       break;
     case ffi::DataType::F32:
-      launched = LaunchPlanned<float>(stream, a, plan);
+      launched = w4a16::LaunchPlanned<float>(stream, a, plan);
       break;
     default:
       return InvalidArgument(

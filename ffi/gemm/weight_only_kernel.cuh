@@ -37,6 +37,7 @@
 
 #include "cuda/decode.cuh"
 #include "gemm/mma.cuh"
+#include "gemm/weight_only_gemm_plan.h"
 #include "numerics/nvfp4.h"
 
 namespace jax_nvfp4 {
@@ -294,6 +295,23 @@ cudaError_t LaunchConfig(cudaStream_t stream, const Args& a, int slices) {
       static_cast<unsigned int>((a.m + 16 * kMTiles - 1) / (16 * kMTiles)));
   kernel<<<grid, kThreads, smem, stream>>>(a);
   return cudaGetLastError();
+}
+
+// The kernel in the configuration a plan chose (PlanW4A16). The arrival
+// counts must be zeroed before.
+template <typename Out>
+cudaError_t LaunchPlanned(cudaStream_t stream, const Args& a,
+                          const W4A16Plan& p) {
+  const int slices = static_cast<int>(p.slices);
+  const W4A16Config c = p.config;
+  // The configurations ChooseW4A16Config returns.
+  if (c.m_tiles == 1 && c.tiles == 2 && c.depth == 3 && c.chunks == 16)
+    return LaunchConfig<1, 2, 3, 16, Out>(stream, a, slices);
+  if (c.m_tiles == 2 && c.tiles == 2 && c.depth == 2 && c.chunks == 8)
+    return LaunchConfig<2, 2, 2, 8, Out>(stream, a, slices);
+  if (c.m_tiles == 4 && c.tiles == 2 && c.depth == 2 && c.chunks == 4)
+    return LaunchConfig<4, 2, 2, 4, Out>(stream, a, slices);
+  return cudaErrorInvalidConfiguration;
 }
 
 }  // namespace w4a16
