@@ -11,7 +11,7 @@ selection by ``jax_nvfp4.policy``.
 
 from jax_nvfp4 import checkpoint, policy, reference
 from jax_nvfp4.backends import export_safety_checks
-from jax_nvfp4.backends.library import available_platforms
+from jax_nvfp4.backends.library import MissingHandlersWarning, available_platforms
 from jax_nvfp4.format import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -64,6 +64,7 @@ __all__ = [
     "E4M3_MAX",
     "SCALE_RANGE",
     "NVFP4Tensor",
+    "MissingHandlersWarning",
     "available_platforms",
     "export_safety_checks",
     "dequantize",

@@ -3,6 +3,13 @@
 ``JAX_NVFP4_FFI_LIBRARY`` (unset): load the CPU handlers from this shared
     library (the Bazel target ``//:jax_nvfp4_cpu``) instead of the extension
     ``jax_nvfp4._ffi``. Read once, when the first primitive is defined.
+``JAX_NVFP4_IMPLEMENTATION`` (``auto``): which implementation the primitives
+    lower to. ``auto``: the compiled handlers where they were built, else the
+    pure-JAX twin (``jax_nvfp4.reference``) with a ``MissingHandlersWarning``
+    saying why and how to fix it; ``reference``: the twin everywhere, on
+    purpose, without a warning; ``native``: the compiled handlers, and an
+    error where a platform has none. Read once, when the first primitive is
+    defined (at import).
 ``JAX_NVFP4_NATIVE_GEMM`` (on): the native Blackwell FP4 GEMM on GPUs with FP4
     tensor cores. Read when a computation is lowered.
 ``JAX_NVFP4_CUBLASLT_GEMM`` (on): the cuBLASLt bf16 GEMM with alpha in its
@@ -32,7 +39,10 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["SWITCHES", "enabled", "ffi_library"]
+__all__ = ["IMPLEMENTATIONS", "SWITCHES", "enabled", "ffi_library", "implementation"]
+
+# Values of JAX_NVFP4_IMPLEMENTATION.
+IMPLEMENTATIONS = ("auto", "reference", "native")
 
 # On/off switches and their defaults.
 SWITCHES = {
@@ -62,3 +72,16 @@ def enabled(name: str) -> bool:
 def ffi_library() -> str | None:
     """``JAX_NVFP4_FFI_LIBRARY``: a shared library with the CPU handlers, or None."""
     return os.environ.get("JAX_NVFP4_FFI_LIBRARY") or None
+
+
+def implementation() -> str:
+    """``JAX_NVFP4_IMPLEMENTATION``: ``"auto"`` (unset or empty),
+    ``"reference"`` or ``"native"``."""
+    value = os.environ.get("JAX_NVFP4_IMPLEMENTATION", "").strip().lower() or "auto"
+    if value not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"JAX_NVFP4_IMPLEMENTATION={value!r} is not one of {IMPLEMENTATIONS}: "
+            "'reference' runs the pure-JAX twin, 'native' requires the compiled "
+            "handlers, 'auto' (or unset) uses the handlers where they were built"
+        )
+    return value

@@ -48,9 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4 import config, ops, reference
 from jax_nvfp4.backends import blackwell_grouped, grouped_gemm
+from jax_nvfp4.ops import sharding
 from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, is_supported_input_dtype
 from jax_nvfp4.quantize import implementation_ops, key_words
 from jax_nvfp4.recipe import (
@@ -624,10 +626,32 @@ def ragged_dot(
         )
     _refuse_forward_mode(x, w)
     static = (jnp.dtype(x.dtype), out_dtype, _gemm_form())
-    if recipe.needs_key and key is None:
-        out = _forward_only(x, w, group_sizes, recipe, static)
-    else:
+
+    def run(x, w, group_sizes, key):
+        if recipe.needs_key and key is None:
+            return _forward_only(x, w, group_sizes, recipe, static)
         buffer_rows = x.shape[0] + 15 * w.shape[0]
         words = key_words(key, recipe.needs_key, buffer_rows * max(w.shape[1:]))
-        out = _ragged(x, w, group_sizes, words, recipe, static)
+        return _ragged(x, w, group_sizes, words, recipe, static)
+
+    out = sharding.on_auto_axes(
+        run, (x, w, group_sizes, key), lambda: _output_spec(x, w)
+    )
     return checkpoint_name(out, OUTPUT)
+
+
+def _spec_entry(a, dim: int):
+    """The mesh axes that ``a``'s type shards dimension ``dim`` over."""
+    spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
+    return spec[dim] if spec is not None and dim < len(spec) else None
+
+
+def _output_spec(x, w):
+    """y [T, N] is sharded as x's rows and w's N, as ``lax.ragged_dot``'s
+    result is on Explicit axes (rows only where both use one axis)."""
+    rows, n = _spec_entry(x, 0), _spec_entry(w, 2)
+
+    def names(entry):
+        return set(entry if isinstance(entry, tuple) else (entry,)) - {None}
+
+    return P(rows, None if names(rows) & names(n) else n)

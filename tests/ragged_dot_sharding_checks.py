@@ -55,6 +55,24 @@ def main():
     )
     out["data_parallel"] = equal(one, sharded)
 
+    # The same on Explicit axes (jax.make_mesh's default), inside
+    # jax.set_mesh and with only the operands' types naming the mesh; the
+    # results keep the rows' sharding as lax.ragged_dot's do.
+    explicit = jax.make_mesh(
+        (DEVICES,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    rows = NamedSharding(explicit, P("d", None))
+    xe, dye = jax.device_put(x, rows), jax.device_put(dy, rows)
+    typed = jax.jit(step)(xe, w, dye, sizes, KEY)
+    with jax.set_mesh(explicit):
+        in_context = jax.jit(step)(xe, w, dye, sizes, KEY)
+    out["explicit_axes"] = (
+        equal(one, typed)
+        and equal(one, in_context)
+        and typed[0].sharding.spec == P("d", None)
+        and typed[1].sharding.spec == P("d", None)
+    )
+
     # Expert parallel: 2 experts per device in shard_map, each device the
     # rows of its experts in a buffer padded to a common capacity (what an
     # all_to_all by expert delivers), its own key.

@@ -1,7 +1,7 @@
 """jax_nvfp4.ragged_dot sharded on 4 virtual CPU devices equals one device
 bit for bit (tests/ragged_dot_sharding_checks.py, run in a subprocess):
 data parallel (tokens sharded under jit; per-expert amaxes over all shards)
-and expert parallel (experts sharded in shard_map, each device its experts'
+tokens sharded on Explicit mesh axes too; and expert parallel (experts sharded in shard_map, each device its experts'
 rows in a padded capacity buffer, forward and gradients)."""
 
 import pathlib
@@ -17,6 +17,6 @@ def results():
     return run_on_virtual_cpus(SCRIPT, 4)
 
 
-@pytest.mark.parametrize("check", ["data_parallel", "expert_parallel"])
+@pytest.mark.parametrize("check", ["data_parallel", "explicit_axes", "expert_parallel"])
 def test_sharded_ragged_dot_equals_one_device(results, check):
     assert results[check], check

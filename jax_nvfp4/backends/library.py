@@ -5,13 +5,18 @@ The handlers come from the nanobind extension ``jax_nvfp4._ffi`` built by
 shared library built another way (the Bazel target ``//:jax_nvfp4_cpu``) to
 load the CPU handlers from instead; that library lists its own targets
 (``JaxNvfp4CpuTarget*``, generated from ``ffi/targets.inc``). Platforms
-without handlers use the pure-JAX reference.
+without handlers use the pure-JAX reference: on purpose with
+``JAX_NVFP4_IMPLEMENTATION=reference``, otherwise with one
+``MissingHandlersWarning`` per platform, at the first computation lowered
+for it, saying why the handlers are missing and how to get them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import warnings
 from types import ModuleType
 
 import jax
@@ -19,7 +24,9 @@ import jax
 from jax_nvfp4 import config
 
 __all__ = [
+    "MissingHandlersWarning",
     "available_platforms",
+    "missing_handlers",
     "extension",
     "handler_source",
     "registered_targets",
@@ -27,6 +34,14 @@ __all__ = [
 ]
 
 _source = "none"
+# Why the extension could not be imported (the ImportError), if it could not.
+_import_error: str | None = None
+_warned: set[str] = set()
+
+
+class MissingHandlersWarning(UserWarning):
+    """The compiled handlers for a platform are missing: the pure-JAX twin
+    runs instead (same results, much slower)."""
 
 
 def _library_targets(path: str) -> dict[str, object]:
@@ -49,9 +64,11 @@ def _library_targets(path: str) -> dict[str, object]:
 @functools.cache
 def extension() -> ModuleType | None:
     """The nanobind extension ``jax_nvfp4._ffi``, or None where it was not built."""
+    global _import_error
     try:
         from jax_nvfp4 import _ffi
-    except ImportError:
+    except ImportError as e:
+        _import_error = str(e)
         return None
     return _ffi
 
@@ -59,6 +76,9 @@ def extension() -> ModuleType | None:
 def _load() -> dict[str, dict[str, object]]:
     """Returns {xla platform name: {target: capsule}}."""
     global _source
+    if config.implementation() == "reference":
+        _source = "none: JAX_NVFP4_IMPLEMENTATION=reference"
+        return {}
     library = config.ffi_library()
     if library:
         _source = library
@@ -97,3 +117,72 @@ def handler_source() -> str:
     """Where the handlers were loaded from (for diagnostics and tests)."""
     available_platforms()
     return _source
+
+
+def _package_dir() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _why_missing(platform: str) -> str:
+    """Why ``platform`` has no handlers, and what to do about it."""
+    package = _package_dir()
+    if config.ffi_library() and platform != "cpu":
+        return (
+            "JAX_NVFP4_FFI_LIBRARY loads CPU handlers only; unset it to use the "
+            "extension built by pip install"
+        )
+    if _import_error is None and extension() is not None:
+        return (
+            f"the extension at {extension().__file__} was built without CUDA "
+            "(nvcc was not found when it was built); reinstall with nvcc on "
+            "PATH, or with JAX_NVFP4_CUDA=ON to make a missing nvcc an error"
+        )
+    source_tree = os.path.exists(os.path.join(os.path.dirname(package), "pyproject.toml"))
+    if source_tree:
+        return (
+            f"Python imported the source tree at {package}, which holds no "
+            "compiled extension, instead of the installed package (scripts run "
+            "from the repository root and `python -m pytest` do this); install "
+            "with `pip install .` and run from another directory, or with "
+            "`python -P` / plain `pytest`"
+        )
+    return (
+        f"the extension jax_nvfp4._ffi could not be imported from {package} "
+        f"({_import_error}); reinstall jax_nvfp4 with `pip install .`"
+    )
+
+
+def missing_handlers(platform: str) -> None:
+    """Called when a computation is lowered for ``platform`` ("cpu", "cuda")
+    that has no handlers: a ``MissingHandlersWarning`` the first time (the
+    twin runs), or an error under ``JAX_NVFP4_IMPLEMENTATION=native``."""
+    mode = config.implementation()
+    if mode == "reference" or platform in _warned:
+        return
+    why = _why_missing(platform)
+    if mode == "native":
+        raise RuntimeError(
+            f"jax_nvfp4 has no compiled handlers for {platform} and "
+            f"JAX_NVFP4_IMPLEMENTATION=native requires them: {why}"
+        )
+    _warned.add(platform)
+    warnings.warn(
+        f"jax_nvfp4 has no compiled handlers for {platform}, so its pure-JAX "
+        f"twin runs instead (the same results, about 10x slower): {why}. "
+        "Set JAX_NVFP4_IMPLEMENTATION=reference to run the twin on purpose "
+        "without this warning.",
+        MissingHandlersWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The warnings stack level of the first frame outside jax and jax_nvfp4
+    (the user's call that was being lowered)."""
+    import sys
+
+    inside = (_package_dir(), os.path.dirname(os.path.abspath(jax.__file__)))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level

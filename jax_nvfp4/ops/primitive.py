@@ -97,6 +97,21 @@ def _ffi_rule(target, drop, applies, otherwise):
     return lowering
 
 
+# The lowering platforms the extension can serve.
+_HANDLER_PLATFORMS = ("cpu", "cuda")
+
+
+def _announcing_missing_handlers(platform, rule):
+    """``rule``, lowered after ``library.missing_handlers(platform)`` (a
+    warning, once, or an error under JAX_NVFP4_IMPLEMENTATION=native)."""
+
+    def lowering(ctx, *args, **params):
+        library.missing_handlers(platform)
+        return rule(ctx, *args, **params)
+
+    return lowering
+
+
 def define(
     name: str,
     target: str,
@@ -136,10 +151,17 @@ def define(
     local.def_abstract_eval(abstract_eval)
     reference_lowering = mlir.lower_fun(reference_fn, multiple_results=multiple)
     mlir.register_lowering(local, reference_lowering)
-    for platform, fn in (lowerings or {}).items():
-        mlir.register_lowering(
-            local, mlir.lower_fun(fn, multiple_results=multiple), platform=platform
-        )
+    platform_lowerings = {
+        platform: mlir.lower_fun(fn, multiple_results=multiple)
+        for platform, fn in (lowerings or {}).items()
+    }
+    for platform in _HANDLER_PLATFORMS:
+        if not library.targets_on(platform):
+            platform_lowerings[platform] = _announcing_missing_handlers(
+                platform, platform_lowerings.get(platform, reference_lowering)
+            )
+    for platform, rule in platform_lowerings.items():
+        mlir.register_lowering(local, rule, platform=platform)
     for platform, targets in library.registered_targets().items():
         if target in targets:
             mlir.register_lowering(

@@ -38,12 +38,43 @@ __all__ = [
     "Dim",
     "Layout",
     "needs_devices_during_lowering",
+    "on_auto_axes",
     "partitioned",
     "per_item",
 ]
 
 # The factor of the handlers' leading batch axis.
 BATCH = "batch"
+
+
+def _explicit_mesh(arrays):
+    """The mesh of the first operand typed with Explicit mesh axes (the axes
+    of ``jax.make_mesh``'s default), or None."""
+    for a in arrays:
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and getattr(mesh, "explicit_axes", ()):
+            return mesh
+    return None
+
+
+def on_auto_axes(fn: Callable, arrays, out_spec: Callable[[], P]):
+    """``fn(*arrays)``, run as on a mesh of Auto axes when an operand is typed
+    with Explicit axes: inside, XLA's partitioner places every intermediate
+    (as it does for all code on Auto meshes), and the result is typed
+    ``out_spec()``. Explicit typing would otherwise require an out_sharding
+    for every scatter and gather of a body written for Auto meshes.
+    Elsewhere (no mesh, Auto axes, inside shard_map) it is ``fn(*arrays)``."""
+    mesh = _explicit_mesh(arrays)
+    if mesh is None:
+        return fn(*arrays)
+    spec = out_spec()
+    run = functools.partial(jax.sharding.auto_axes, out_sharding=spec)
+    if jax.sharding.get_abstract_mesh().empty:
+        # Explicitly sharded operands without jax.set_mesh: their own mesh.
+        with jax.sharding.use_abstract_mesh(mesh):
+            return run(fn)(*arrays)
+    return run(fn)(*arrays)
 
 
 def needs_devices_during_lowering(prim) -> None:
