@@ -52,8 +52,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4 import config, ops, reference
 from jax_nvfp4.backends import blackwell_grouped, grouped_gemm
-from jax_nvfp4.ops import sharding
 from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, is_supported_input_dtype
+from jax_nvfp4.ops import sharding
 from jax_nvfp4.quantize import implementation_ops, key_words
 from jax_nvfp4.recipe import (
     MISSING_KEY_MESSAGE,

@@ -52,7 +52,9 @@ def test_source_tree_warns_once_saying_why():
     assert "platforms []" in result.stdout
     found = warnings_in(result.stderr)
     assert len(found) == 1, result.stderr[-3000:]
-    assert "source tree" in found[0] and "JAX_NVFP4_IMPLEMENTATION=reference" in found[0]
+    assert (
+        "source tree" in found[0] and "JAX_NVFP4_IMPLEMENTATION=reference" in found[0]
+    )
     # The warning points at the user's line, not into jax.
     assert found[0].startswith("<string>:")
 

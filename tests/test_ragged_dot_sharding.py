@@ -1,8 +1,9 @@
 """jax_nvfp4.ragged_dot sharded on 4 virtual CPU devices equals one device
 bit for bit (tests/ragged_dot_sharding_checks.py, run in a subprocess):
-data parallel (tokens sharded under jit; per-expert amaxes over all shards)
-tokens sharded on Explicit mesh axes too; and expert parallel (experts sharded in shard_map, each device its experts'
-rows in a padded capacity buffer, forward and gradients)."""
+data parallel (tokens sharded under jit; per-expert amaxes over all shards),
+on Auto and on Explicit mesh axes, and expert parallel (experts sharded in
+shard_map, each device its experts' rows in a padded capacity buffer, forward
+and gradients)."""
 
 import pathlib
 

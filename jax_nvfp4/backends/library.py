@@ -137,7 +137,9 @@ def _why_missing(platform: str) -> str:
             "(nvcc was not found when it was built); reinstall with nvcc on "
             "PATH, or with JAX_NVFP4_CUDA=ON to make a missing nvcc an error"
         )
-    source_tree = os.path.exists(os.path.join(os.path.dirname(package), "pyproject.toml"))
+    source_tree = os.path.exists(
+        os.path.join(os.path.dirname(package), "pyproject.toml")
+    )
     if source_tree:
         return (
             f"Python imported the source tree at {package}, which holds no "
