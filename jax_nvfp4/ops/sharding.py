@@ -50,7 +50,7 @@ BATCH = "batch"
 def _explicit_mesh(arrays):
     """The mesh of the first operand typed with Explicit mesh axes (the axes
     of ``jax.make_mesh``'s default), or None."""
-    for a in arrays:
+    for a in jax.tree.leaves(arrays):
         sharding = getattr(jax.typeof(a), "sharding", None)
         mesh = getattr(sharding, "mesh", None)
         if mesh is not None and getattr(mesh, "explicit_axes", ()):
