@@ -337,7 +337,8 @@ def export_nvfp4(
             continue
         array = np.asarray(value)
         if dtype is not None and np.issubdtype(array.dtype, np.floating):
-            array = array.astype(jnp.dtype(dtype))
+            with np.errstate(over="ignore"):  # refused just below
+                array = array.astype(jnp.dtype(dtype))
             _check_finite(tensor, array, f" in {jnp.dtype(dtype).name}")
         if tensor in out:
             raise ValueError(f"{tensor!r} collides with a tensor of an NVFP4 layer")
@@ -411,13 +412,13 @@ def _check_finite(tensor: str, value, how: str = "") -> None:
     if isinstance(value, NVFP4Tensor):
         scales = np.asarray(value.scales)
         if (
-            np.issubdtype(scales.dtype, np.floating)
+            jnp.issubdtype(scales.dtype, jnp.floating)
             and not np.isfinite(scales.astype(np.float32)).all()
         ):
             raise ValueError(
-                f"{tensor!r}: the NVFP4Tensor's block scales hold NaN or Inf; a "
-                "serving checkpoint needs finite weights. Quantize the layer "
-                "again from a finite weight"
+                f"{tensor!r}: the NVFP4Tensor's block scales hold NaN or Inf (the "
+                "weight it was quantized from did); a serving checkpoint needs "
+                "finite weights. Quantize the layer again from a finite weight"
             )
         if not np.isfinite(np.asarray(value.amax, np.float32)).all():
             raise ValueError(
