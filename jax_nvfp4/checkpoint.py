@@ -89,6 +89,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "CheckpointError",
     "NVFP4Checkpoint",
+    "TOKENIZER_FILES",
     "calibrate",
     "export_nvfp4",
     "FUSED_GROUPS",
@@ -382,7 +383,7 @@ def quantization_config(hf_quant_config: Mapping[str, Any]) -> dict[str, Any]:
     ``exclude_modules``), ``quant_algo``, ``producer`` and ``quant_method:
     "modelopt"``, which vLLM and SGLang read to pick their ModelOpt NVFP4
     method. ``kv_cache_scheme`` is present only when the KV cache is
-    quantized (never here)."""
+    quantized (``export_nvfp4`` never quantizes it)."""
     quant = hf_quant_config["quantization"]
     group_size = quant.get("group_size", BLOCK_SIZE)
     fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": group_size}
@@ -397,8 +398,13 @@ def quantization_config(hf_quant_config: Mapping[str, Any]) -> dict[str, Any]:
         "ignore": list(quant.get("exclude_modules") or []),
         "quant_algo": quant["quant_algo"],
     }
-    if quant.get("kv_cache_quant_algo"):
-        out["kv_cache_scheme"] = quant["kv_cache_quant_algo"]
+    kv_cache = quant.get("kv_cache_quant_algo")
+    if kv_cache:
+        out["kv_cache_scheme"] = (
+            {"dynamic": False, "num_bits": 8, "type": "float"}
+            if kv_cache == "FP8"
+            else kv_cache
+        )
     if hf_quant_config.get("producer"):
         out["producer"] = dict(hf_quant_config["producer"])
     out["quant_method"] = "modelopt"
@@ -720,9 +726,8 @@ def import_nvfp4(directory: str | os.PathLike) -> NVFP4Checkpoint:
     (a ``ValueError``) naming the file or tensor when ``directory`` is not a
     checkpoint directory (missing, a file, without ``hf_quant_config.json``
     or the weights) or the checkpoint is malformed: a config that is not
-    NVFP4, a safetensors header that is not
-    JSON, a truncated file, a layer missing one of its four tensors, wrong
-    dtypes or shapes.
+    NVFP4, a safetensors header that is not JSON, a truncated file, a layer
+    missing one of its four tensors, wrong dtypes or shapes.
     """
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(

@@ -889,6 +889,16 @@ def test_modelopt_converts_our_hf_quant_config_to_our_config_json(tmp_path, mode
     assert (
         convert.convert_hf_quant_config_format(quant) == config["quantization_config"]
     )
+    # The public helper on other hf_quant_config.json contents ModelOpt writes.
+    for other in (
+        {"quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8"}},
+        {
+            "producer": {"name": "modelopt", "version": "0.47.0"},
+            "quantization": {"quant_algo": "NVFP4", "group_size": 16},
+        },
+    ):
+        want = convert.convert_hf_quant_config_format(other)
+        assert checkpoint.quantization_config(other) == want
 
 
 def test_modelopt_dequantizes_our_export(tmp_path, torch, modelopt):
