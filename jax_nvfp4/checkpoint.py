@@ -22,8 +22,14 @@ weight_scale_2``; both quotients are those of our GEMM's alpha
 (``A / 2688``, correctly rounded), so it sees training's FP4 weight bytes and
 scales.
 
-Files: one ``model.safetensors`` (import also reads a sharded checkpoint
-through ``model.safetensors.index.json``) and ``hf_quant_config.json``. The
+Files (docs/SERVING.md): one ``model.safetensors`` (import also reads a
+sharded checkpoint through ``model.safetensors.index.json``),
+``hf_quant_config.json`` (ModelOpt's own description of the quantization,
+which TensorRT-LLM reads) and ``config.json`` holding the same description
+as ``quantization_config`` in the form ModelOpt's Hugging Face exporter
+embeds it (``quant_method: "modelopt"``, ``ignore`` for the bf16 layers),
+which vLLM and SGLang read, merged into the model's own Hugging Face config
+when the caller passes it; the tokenizer's files when given. The
 safetensors reader and writer are a few lines of this module (no new
 dependency): an 8-byte little-endian header length, a JSON header
 ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``, then the
@@ -57,6 +63,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -78,18 +85,37 @@ from jax_nvfp4.safetensors_io import (
 
 __all__ = [
     "CONFIG_FILE",
+    "MODEL_CONFIG_FILE",
     "WEIGHTS_FILE",
     "CheckpointError",
     "NVFP4Checkpoint",
+    "TOKENIZER_FILES",
     "calibrate",
     "export_nvfp4",
     "FUSED_GROUPS",
     "import_nvfp4",
+    "quantization_config",
 ]
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "hf_quant_config.json"
+MODEL_CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# The files of a Hugging Face tokenizer that a serving engine reads (those
+# present are copied from a tokenizer directory).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 METADATA_KEY = "jax_nvfp4"
 
 # The suffixes of the four tensors of an NVFP4 layer.
@@ -173,6 +199,8 @@ def export_nvfp4(
     recipe: Recipe = NVFP4,
     dtype=None,
     fuse: Iterable[Sequence[str]] = FUSED_GROUPS,
+    model_config: Mapping[str, Any] | str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | Iterable[str | os.PathLike] | None = None,
 ) -> Path:
     """Writes ``weights`` as a ModelOpt NVFP4 checkpoint in ``directory``.
 
@@ -183,8 +211,9 @@ def export_nvfp4(
         (``"model.layers.0.mlp.up_proj"``) whose tensor is written as
         ``<key>.weight``. An ``NVFP4Tensor`` value (``import_nvfp4``'s
         ``quantized``) is written as it is, always in NVFP4.
-      directory: created if needed; receives ``model.safetensors`` and
-        ``hf_quant_config.json``.
+      directory: created if needed; receives ``model.safetensors``,
+        ``hf_quant_config.json`` and ``config.json`` (and the files of
+        ``model_config`` and ``tokenizer``), replacing files of those names.
       nvfp4: the module names of the linear layers to write in NVFP4, or a
         ``Policy`` asked about each 2-D ``.weight`` by its module name (its
         recipe for that layer decides the block kind).
@@ -201,12 +230,32 @@ def export_nvfp4(
       fuse: groups of sibling layer names that serving engines fuse (the
         module docstring): the NVFP4 layers of a group share the largest
         weight amax and input amax. ``()``: every layer keeps its own.
+      model_config: the model's own Hugging Face config (``architectures``,
+        ``model_type``, ``hidden_size``, ...): a dict, the path of its
+        ``config.json``, or a directory holding one (whose
+        ``generation_config.json``, if there, is copied too). It is written
+        as ``config.json`` with ``quantization_config`` set to this
+        checkpoint's (one already there is replaced). Without it
+        ``config.json`` holds only ``quantization_config``: a serving engine
+        then also needs the architecture fields, so merge the model's config
+        into it (or pass it here) before serving.
+      tokenizer: the tokenizer's files to copy beside the weights: a
+        directory (its ``tokenizer.json``, ``tokenizer_config.json``,
+        ``special_tokens_map.json``, ``tokenizer.model``, ``vocab.json``,
+        ``merges.txt``, ... whichever are there; ``TOKENIZER_FILES``) or the
+        paths of the files themselves.
 
     Returns:
       The directory.
 
+    Raises:
+      ValueError: a tensor holds NaN or Inf (naming it), a layer cannot be
+        NVFP4, an ``input_amax`` is missing, not finite or not positive, or
+        ``model_config`` / ``tokenizer`` name no usable file. Nothing is
+        written then.
+
     The linear layers written in bf16 (2-D ``.weight`` tensors not in NVFP4)
-    are listed in ``exclude_modules``.
+    are listed in ``exclude_modules`` (``ignore`` in ``config.json``).
     """
     from jax_nvfp4 import __version__
 
@@ -219,7 +268,10 @@ def export_nvfp4(
         module, tensor = _names(key)
         if tensor in entries:
             raise ValueError(f"{key!r} and another key both name tensor {tensor!r}")
+        _check_finite(tensor, value)
         entries[tensor] = (module, value)
+    config_data, generation_config = _model_config(model_config)
+    tokenizer_files = _tokenizer_files(tokenizer)
     # Candidates: the modules of 2-D (or already quantized) weights.
     linears = {
         module: value
@@ -286,7 +338,9 @@ def export_nvfp4(
             continue
         array = np.asarray(value)
         if dtype is not None and np.issubdtype(array.dtype, np.floating):
-            array = array.astype(jnp.dtype(dtype))
+            with np.errstate(over="ignore"):  # refused just below
+                array = array.astype(jnp.dtype(dtype))
+            _check_finite(tensor, array, f" in {jnp.dtype(dtype).name}")
         if tensor in out:
             raise ValueError(f"{tensor!r} collides with a tensor of an NVFP4 layer")
         out[tensor] = array
@@ -310,7 +364,182 @@ def export_nvfp4(
         },
     }
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    config_data["quantization_config"] = quantization_config(config)
+    (directory / MODEL_CONFIG_FILE).write_text(json.dumps(config_data, indent=2) + "\n")
+    for source, name in [
+        *([(generation_config, GENERATION_CONFIG_FILE)] if generation_config else []),
+        *((f, f.name) for f in tokenizer_files),
+    ]:
+        _copy(source, directory / name)
     return directory
+
+
+def quantization_config(hf_quant_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``quantization_config`` of ``config.json`` for the content of an
+    NVFP4 ``hf_quant_config.json``, with the keys and values ModelOpt's
+    Hugging Face exporter writes: the scheme as a compressed-tensors config
+    group (4-bit float weights and static input activations in groups of
+    16, targets ``Linear``), ``ignore`` (the bf16 layers, ModelOpt's
+    ``exclude_modules``), ``quant_algo``, ``producer`` and ``quant_method:
+    "modelopt"``, which vLLM and SGLang read to pick their ModelOpt NVFP4
+    method. ``kv_cache_scheme`` is present only when the KV cache is
+    quantized (``export_nvfp4`` never quantizes it)."""
+    quant = hf_quant_config["quantization"]
+    group_size = quant.get("group_size", BLOCK_SIZE)
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": group_size}
+    out: dict[str, Any] = {
+        "config_groups": {
+            "group_0": {
+                "input_activations": dict(fp4),
+                "weights": dict(fp4),
+                "targets": ["Linear"],
+            }
+        },
+        "ignore": list(quant.get("exclude_modules") or []),
+        "quant_algo": quant["quant_algo"],
+    }
+    kv_cache = quant.get("kv_cache_quant_algo")
+    if kv_cache:
+        out["kv_cache_scheme"] = (
+            {"dynamic": False, "num_bits": 8, "type": "float"}
+            if kv_cache == "FP8"
+            else kv_cache
+        )
+    if hf_quant_config.get("producer"):
+        out["producer"] = dict(hf_quant_config["producer"])
+    out["quant_method"] = "modelopt"
+    return out
+
+
+def _check_finite(tensor: str, value, how: str = "") -> None:
+    """Refuses a tensor holding NaN or Inf: a serving engine would multiply
+    by it silently. An ``NVFP4Tensor``'s codes are always finite; its amax
+    and block scales are checked."""
+    if isinstance(value, NVFP4Tensor):
+        scales = np.asarray(value.scales)
+        if (
+            jnp.issubdtype(scales.dtype, jnp.floating)
+            and not np.isfinite(scales.astype(np.float32)).all()
+        ):
+            raise ValueError(
+                f"{tensor!r}: the NVFP4Tensor's block scales hold NaN or Inf (the "
+                "weight it was quantized from did); a serving checkpoint needs "
+                "finite weights. Quantize the layer again from a finite weight"
+            )
+        if not np.isfinite(np.asarray(value.amax, np.float32)).all():
+            raise ValueError(
+                f"{tensor!r}: the NVFP4Tensor's amax is "
+                f"{np.asarray(value.amax).tolist()}, not finite (its weight held "
+                "NaN or Inf); a serving checkpoint needs finite weights"
+            )
+        return
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        value = np.asarray(value)
+        dtype = value.dtype
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return
+    finite = jnp.isfinite(value) if isinstance(value, jax.Array) else np.isfinite(value)
+    if bool(finite.all()):
+        return
+    bad = np.logical_not(np.asarray(finite))
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    first = np.asarray(value)[where] if where else np.asarray(value)
+    raise ValueError(
+        f"{tensor!r} holds {int(bad.sum())} non-finite value(s){how} (NaN or "
+        f"Inf; the first, {float(first)}, at index {list(where)}): a serving "
+        "engine would compute with them silently. Fix the weight (e.g. restore "
+        "an earlier training step) or leave the tensor out"
+    )
+
+
+def _read_json_object(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{what}: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what}: cannot read {path} as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{what}: {path} holds a JSON {type(data).__name__}, not an object"
+        )
+    return data
+
+
+def _model_config(model_config) -> tuple[dict[str, Any], Path | None]:
+    """(the model's config as a dict, its generation_config.json or None)."""
+    if model_config is None:
+        return {}, None
+    if isinstance(model_config, Mapping):
+        try:
+            return json.loads(json.dumps(dict(model_config))), None
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"model_config must be JSON-serializable (a Hugging Face config as "
+                f"a dict, e.g. transformers' config.to_dict()): {e}"
+            ) from None
+    if not isinstance(model_config, (str, os.PathLike)):
+        raise TypeError(
+            "model_config is the model's Hugging Face config: a dict, a path to "
+            f"its config.json or a directory holding one; got {type(model_config)}"
+        )
+    path = Path(model_config)
+    generation = None
+    if path.is_dir():
+        if not (path / MODEL_CONFIG_FILE).is_file():
+            raise ValueError(
+                f"model_config: the directory {path} has no {MODEL_CONFIG_FILE}; "
+                "pass the model's Hugging Face directory or its config.json"
+            )
+        generation = path / GENERATION_CONFIG_FILE
+        generation = generation if generation.is_file() else None
+        path = path / MODEL_CONFIG_FILE
+    return _read_json_object(path, "model_config"), generation
+
+
+def _tokenizer_files(tokenizer) -> list[Path]:
+    if tokenizer is None:
+        return []
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = Path(tokenizer)
+        if path.is_dir():
+            files = [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
+            if not files:
+                raise ValueError(
+                    f"tokenizer: {path} holds none of the tokenizer files "
+                    f"{list(TOKENIZER_FILES)}; pass the tokenizer's directory (e.g. "
+                    "where tokenizer.save_pretrained wrote) or its files"
+                )
+            return files
+        sources = [path]
+    else:
+        sources = [Path(f) for f in tokenizer]
+    missing = [str(f) for f in sources if not f.is_file()]
+    if missing:
+        raise ValueError(
+            f"tokenizer: {missing} are not files; pass the tokenizer's directory "
+            "or the paths of its files (tokenizer.json, tokenizer_config.json, ...)"
+        )
+    names = [f.name for f in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tokenizer: two files share a name: {sorted(names)}")
+    own = {WEIGHTS_FILE, INDEX_FILE, CONFIG_FILE, MODEL_CONFIG_FILE}
+    clash = sorted(
+        own.intersection(names) | {n for n in names if n.endswith(".safetensors")}
+    )
+    if clash:
+        raise ValueError(
+            f"tokenizer: {clash} would overwrite the checkpoint's own files; pass "
+            "only the tokenizer's files (and the model's config as model_config)"
+        )
+    return sources
+
+
+def _copy(source: Path, target: Path) -> None:
+    if target.exists() and os.path.samefile(source, target):
+        return  # exporting into the directory the file came from
+    shutil.copyfile(source, target)
 
 
 def _weight_amax(module: str, value) -> np.float32:
@@ -419,7 +648,9 @@ def _load_tensors(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, str
     if single.exists():
         return read_safetensors(single)
     if not index.exists():
-        raise CheckpointError(f"{directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+        raise CheckpointError(
+            f"{directory}: neither {WEIGHTS_FILE} nor {INDEX_FILE}; {_EXPECTED}"
+        )
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
@@ -468,25 +699,50 @@ def _amax_from(scale: np.float32, recorded: str | None, name: str) -> np.float32
     return amax
 
 
+_EXPECTED = (
+    f"import_nvfp4 reads the directory that export_nvfp4 (or NVIDIA ModelOpt) "
+    f"writes, holding {WEIGHTS_FILE} (or {INDEX_FILE} and its shards) and "
+    f"{CONFIG_FILE}"
+)
+
+
+def _check_directory(directory: Path) -> None:
+    if directory.is_dir():
+        return
+    if not directory.exists():
+        raise CheckpointError(f"{directory} does not exist; {_EXPECTED}")
+    raise CheckpointError(
+        f"{directory} is a file, not a directory; {_EXPECTED}: pass the "
+        f"directory holding them (this file's is {str(directory.parent)!r})"
+    )
+
+
 def import_nvfp4(directory: str | os.PathLike) -> NVFP4Checkpoint:
     """Reads a ModelOpt NVFP4 checkpoint (ours or another producer's).
 
     Returns an ``NVFP4Checkpoint`` ``(quantized, tensors, config,
     input_amax)``; exporting its ``quantized`` and ``tensors`` with its
     ``input_amax`` writes the same files again. Raises ``CheckpointError``
-    (a ``ValueError``) naming the file or tensor when the checkpoint is
-    malformed: a config that is not NVFP4, a safetensors header that is not
-    JSON, a truncated file, a layer missing one of its four tensors, wrong
-    dtypes or shapes.
+    (a ``ValueError``) naming the file or tensor when ``directory`` is not a
+    checkpoint directory (missing, a file, without ``hf_quant_config.json``
+    or the weights) or the checkpoint is malformed: a config that is not
+    NVFP4, a safetensors header that is not JSON, a truncated file, a layer
+    missing one of its four tensors, wrong dtypes or shapes.
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(
+            "import_nvfp4 takes the checkpoint's directory (a str or a Path), "
+            f"got {type(directory)}"
+        )
     directory = Path(directory)
+    _check_directory(directory)
     config_path = directory / CONFIG_FILE
     try:
         config = json.loads(config_path.read_text())
         quant = config["quantization"]
         algo = quant["quant_algo"]
     except FileNotFoundError:
-        raise CheckpointError(f"{directory}: no {CONFIG_FILE}") from None
+        raise CheckpointError(f"{directory}: no {CONFIG_FILE}; {_EXPECTED}") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(
             f"{config_path}: not a quantization config ({e!r}); expected "

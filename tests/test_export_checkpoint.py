@@ -618,3 +618,376 @@ def test_fused_groups_all_nvfp4_or_all_bf16(tmp_path):
             input_amax=amax,
             fuse=("q_proj", "k_proj"),
         )
+
+
+# --------------------------------------------------------------------------
+# config.json and the files serving engines read
+
+# config.json's quantization_config as NVIDIA ModelOpt 0.47's Hugging Face
+# exporter writes it for NVFP4 (written out here from its output, not built
+# by the module under test).
+FP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+EXCLUDED = sorted(["lm_head", "model.embed_tokens", Q, UP1])
+
+
+def modelopt_quantization_config(ignore):
+    return {
+        "config_groups": {
+            "group_0": {
+                "input_activations": FP4_ARGS,
+                "weights": FP4_ARGS,
+                "targets": ["Linear"],
+            }
+        },
+        "ignore": ignore,
+        "quant_algo": "NVFP4",
+        "producer": {"name": "jax_nvfp4", "version": jax_nvfp4.__version__},
+        "quant_method": "modelopt",
+    }
+
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "vocab_size": 50,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_config_json_without_a_model_config(tmp_path):
+    export(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config == {"quantization_config": modelopt_quantization_config(EXCLUDED)}
+    # hf_quant_config.json stays beside it, naming the same bf16 layers.
+    quant = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    assert quant["quantization"]["exclude_modules"] == EXCLUDED
+
+
+@pytest.mark.parametrize("given", ["dict", "file", "directory"])
+def test_config_json_merges_the_model_config(tmp_path, given):
+    source = tmp_path / "hf_model"
+    source.mkdir()
+    # A quantization_config already there (e.g. a config copied from another
+    # quantized model) is replaced by this checkpoint's.
+    original = {**LLAMA_CONFIG, "quantization_config": {"quant_method": "fp8"}}
+    (source / "config.json").write_text(json.dumps(original))
+    (source / "generation_config.json").write_text('{"eos_token_id": 2}')
+    arg = {
+        "dict": original,
+        "file": source / "config.json",
+        "directory": str(source),
+    }[given]
+    export(tmp_path / "out", model_config=arg)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config == {
+        **LLAMA_CONFIG,
+        "quantization_config": modelopt_quantization_config(EXCLUDED),
+    }
+    assert original["quantization_config"] == {"quant_method": "fp8"}  # untouched
+    copied = (tmp_path / "out" / "generation_config.json").exists()
+    assert copied == (given == "directory")
+    # The checkpoint still imports, with hf_quant_config.json's content.
+    assert import_nvfp4(tmp_path / "out").config["quantization"]["quant_algo"] == (
+        "NVFP4"
+    )
+
+
+def test_tokenizer_is_copied(tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    files = {
+        "tokenizer.json": '{"version": "1.0"}',
+        "tokenizer_config.json": '{"model_max_length": 128}',
+        "special_tokens_map.json": "{}",
+    }
+    for name, text in files.items():
+        (tok / name).write_text(text)
+    (tok / "notes.txt").write_text("not a tokenizer file")
+    export(tmp_path / "a", tokenizer=tok)
+    for name, text in files.items():
+        assert (tmp_path / "a" / name).read_text() == text
+    assert not (tmp_path / "a" / "notes.txt").exists()
+    # Or the files themselves.
+    export(tmp_path / "b", tokenizer=[tok / "tokenizer.json"])
+    assert (tmp_path / "b" / "tokenizer.json").read_text() == files["tokenizer.json"]
+    assert not (tmp_path / "b" / "tokenizer_config.json").exists()
+    # Exporting into the tokenizer's own directory leaves its files as they are.
+    export(tok, tokenizer=tok)
+    assert (tok / "tokenizer.json").read_text() == files["tokenizer.json"]
+
+
+def test_bad_model_config_and_tokenizer(tmp_path):
+    out = tmp_path / "out"
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bad.json").write_text("{nope")
+    cases = [
+        (dict(model_config=tmp_path / "empty"), "has no config.json"),
+        (dict(model_config=tmp_path / "missing.json"), "does not exist"),
+        (dict(model_config=tmp_path / "list.json"), "JSON list, not an object"),
+        (dict(model_config=tmp_path / "bad.json"), "cannot read .* as JSON"),
+        (dict(model_config={"a": object()}), "JSON-serializable"),
+        (dict(tokenizer=tmp_path / "empty"), "none of the tokenizer files"),
+        (dict(tokenizer=[tmp_path / "nope.json"]), "are not files"),
+        (dict(tokenizer=[tmp_path / "list.json"]), None),  # fine: a file
+    ]
+    for kw, match in cases:
+        if match is None:
+            export(tmp_path / "ok", **kw)
+            continue
+        with pytest.raises(ValueError, match=match):
+            export(out, **kw)
+        assert not out.exists(), kw  # refused before writing anything
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="overwrite the checkpoint's own files"):
+        export(out, tokenizer=[tmp_path / "config.json"])
+    with pytest.raises(TypeError, match="model_config is the model's"):
+        export(out, model_config=3)
+
+
+# --------------------------------------------------------------------------
+# Non-finite weights
+
+
+def _poison(array, value, at=(3, 5)):
+    a = np.array(array)
+    a[at] = value
+    return a
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize(
+    "key, tensor",
+    [
+        (UP, UP + ".weight"),  # an NVFP4 layer (float32)
+        (DOWN + ".weight", DOWN + ".weight"),  # an NVFP4 layer (bf16)
+        (Q, Q + ".weight"),  # a bf16 linear
+        ("lm_head.weight", "lm_head.weight"),
+    ],
+)
+def test_non_finite_weight_is_refused(tmp_path, key, tensor, bad):
+    weights = model()
+    weights[key] = _poison(weights[key], bad)
+    with pytest.raises(ValueError, match=rf"'{tensor}' holds 1 non-finite .*\[3, 5\]"):
+        export(tmp_path, weights)
+    assert not tmp_path.joinpath("model.safetensors").exists()
+    # As a jax array too (checked on its device).
+    weights[key] = jnp.asarray(weights[key])
+    with pytest.raises(ValueError, match=rf"'{tensor}' holds 1 non-finite"):
+        export(tmp_path, weights)
+
+
+def test_non_finite_bias_norm_and_cast(tmp_path):
+    weights = model()
+    weights["model.norm.weight"] = _poison(weights["model.norm.weight"], np.nan, 7)
+    with pytest.raises(ValueError, match="'model.norm.weight' holds 1 non-finite"):
+        export(tmp_path, weights)
+    weights = model()
+    weights[DOWN + ".bias"] = np.full((32,), np.inf, np.float32)
+    with pytest.raises(ValueError, match=rf"'{DOWN}.bias' holds 32 non-finite"):
+        export(tmp_path, weights)
+    # Finite in float32, infinite once cast to the requested dtype.
+    weights = model()
+    weights["model.norm.weight"] = np.full((32,), 3.4e38, np.float32)
+    with pytest.raises(ValueError, match="32 non-finite value.* in float16"):
+        export(tmp_path, weights, dtype=jnp.float16)
+    assert not tmp_path.joinpath("model.safetensors").exists()
+
+
+@pytest.mark.parametrize("amax", [np.nan, np.inf])
+def test_quantized_input_with_a_non_finite_amax_is_refused(tmp_path, amax):
+    """An NVFP4Tensor (e.g. an import, or one quantized from a NaN weight)
+    whose amax or block scales are not finite."""
+    t = jax_nvfp4.quantize(model()[UP], 1, block="16x16")
+    bad = jax_nvfp4.NVFP4Tensor(
+        t.codes, t.scales, jnp.float32(amax), t.shape, t.axis, t.block
+    )
+    with pytest.raises(ValueError, match=rf"'{UP}.weight': the NVFP4Tensor's amax"):
+        export(tmp_path, {UP: bad}, nvfp4={UP})
+    nan_scales = np.asarray(t.scales).copy()
+    nan_scales.view(np.uint8)[0, 0] = 0x7F  # E4M3's NaN
+    bad = jax_nvfp4.NVFP4Tensor(
+        t.codes, jnp.asarray(nan_scales), t.amax, t.shape, t.axis, t.block
+    )
+    with pytest.raises(ValueError, match=rf"'{UP}.weight': the NVFP4Tensor's block"):
+        export(tmp_path, {UP: bad}, nvfp4={UP})
+    # Quantized from a weight holding NaN or Inf: the amax leaves them out
+    # (finite), the blocks holding them get a NaN scale.
+    for block in ("1x16", "16x16"):
+        w = jax_nvfp4.quantize(_poison(model()[UP], amax), 1, block=block)
+        assert np.isfinite(np.float32(w.amax))
+        with pytest.raises(ValueError, match="block scales hold NaN or Inf"):
+            export(tmp_path, {UP: w}, nvfp4={UP})
+    assert not tmp_path.joinpath("model.safetensors").exists()
+
+
+# --------------------------------------------------------------------------
+# import_nvfp4 given something other than a checkpoint directory
+
+
+def test_import_needs_the_checkpoint_directory(tmp_path):
+    export(tmp_path / "ckpt")
+    for name in ("model.safetensors", "hf_quant_config.json", "config.json"):
+        file = tmp_path / "ckpt" / name
+        with pytest.raises(CheckpointError, match="is a file, not a directory") as e:
+            import_nvfp4(file)
+        assert repr(str(tmp_path / "ckpt")) in str(e.value)
+        assert "model.safetensors" in str(e.value)
+        assert "hf_quant_config.json" in str(e.value)
+    with pytest.raises(CheckpointError, match="does not exist; import_nvfp4 reads"):
+        import_nvfp4(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no hf_quant_config.json; import_nv"):
+        import_nvfp4(tmp_path / "empty")
+    (tmp_path / "empty" / "hf_quant_config.json").write_bytes(
+        (tmp_path / "ckpt" / "hf_quant_config.json").read_bytes()
+    )
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor"):
+        import_nvfp4(tmp_path / "empty")
+    with pytest.raises(TypeError, match="checkpoint's directory"):
+        import_nvfp4(None)
+
+
+# --------------------------------------------------------------------------
+# Our export read by NVIDIA ModelOpt's and compressed-tensors' own code
+# (skipped where they are not installed: pip install torch nvidia-modelopt
+# compressed-tensors).
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def modelopt(torch):
+    import warnings
+
+    with warnings.catch_warnings():
+        # It warns about the installed transformers version on import.
+        warnings.simplefilter("ignore")
+        qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor")
+        convert = pytest.importorskip("modelopt.torch.export.convert_hf_config")
+    return qtensor, convert
+
+
+def _torch_tensors(torch, path):
+    """The checkpoint's tensors through Hugging Face's own safetensors reader."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    return safetensors_torch.load_file(str(path))
+
+
+def test_modelopt_converts_our_hf_quant_config_to_our_config_json(tmp_path, modelopt):
+    _, convert = modelopt
+    export(tmp_path, model_config=LLAMA_CONFIG)
+    quant = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (
+        convert.convert_hf_quant_config_format(quant) == config["quantization_config"]
+    )
+    # The public helper on other hf_quant_config.json contents ModelOpt writes.
+    for other in (
+        {"quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8"}},
+        {
+            "producer": {"name": "modelopt", "version": "0.47.0"},
+            "quantization": {"quant_algo": "NVFP4", "group_size": 16},
+        },
+    ):
+        want = convert.convert_hf_quant_config_format(other)
+        assert checkpoint.quantization_config(other) == want
+
+
+def test_modelopt_dequantizes_our_export(tmp_path, torch, modelopt):
+    qtensor, _ = modelopt
+    export(tmp_path)
+    tensors = _torch_tensors(torch, tmp_path / "model.safetensors")
+    ckpt = import_nvfp4(tmp_path)
+    for name in (UP, DOWN):
+        packed = tensors[name + ".weight"]
+        assert packed.dtype == torch.uint8
+        assert tensors[name + ".weight_scale"].dtype == torch.float8_e4m3fn
+        n, k = packed.shape[0], 2 * packed.shape[1]
+        q = qtensor.NVFP4QTensor(torch.Size([n, k]), torch.float32, packed)
+        theirs = q.dequantize(
+            dtype=torch.float32,
+            scale=tensors[name + ".weight_scale"],
+            double_scale=tensors[name + ".weight_scale_2"],
+            block_sizes={-1: 16},
+        ).numpy()
+        ours = np.asarray(jax_nvfp4.dequantize(ckpt.quantized[name], jnp.float32))
+        # ModelOpt multiplies e2m1 * (weight_scale * weight_scale_2), we
+        # e2m1 * ((weight_scale * amax) / 2688): one float32 rounding apart.
+        assert np.all(np.abs(theirs - ours) <= np.spacing(np.abs(ours))), name
+        assert np.count_nonzero(ours) > ours.size // 2
+
+
+def test_modelopt_quantizes_our_1x16_weight_to_the_same_bytes(
+    tmp_path, torch, modelopt
+):
+    """ModelOpt's own NVFP4 quantizer, given the same bf16 weight, picks the
+    same block scales and tensor scale, and the same codes except for values
+    that lie within a few float32 ulps of a rounding midpoint (the two
+    compute the scaled value in a different order)."""
+    qtensor, _ = modelopt
+    w = jax.random.normal(jax.random.key(7), (64, 128), jnp.float32) * 3
+    w = w.astype(jnp.bfloat16)
+    export_nvfp4(
+        {UP: w}, tmp_path, nvfp4={UP}, input_amax=AMAX, recipe=Recipe(weight_2d=False)
+    )
+    ours, _, _ = read_st(tmp_path / "model.safetensors")
+    tw = torch.from_numpy(np.asarray(w, np.float32)).to(torch.bfloat16)
+    q, scale, scale_2 = qtensor.NVFP4QTensor.quantize(tw, 16)
+    assert np.float32(scale_2.item()) == ours[UP + ".weight_scale_2"]
+    np.testing.assert_array_equal(
+        scale.view(torch.uint8).numpy(), ours[UP + ".weight_scale"].view(np.uint8)
+    )
+    theirs_codes = q._quantized_data.numpy()
+
+    def nibbles(b):
+        return np.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
+
+    differ = nibbles(theirs_codes) != nibbles(ours[UP + ".weight"])
+    assert differ.mean() < 1e-3
+    # Where they differ, the scaled value is at a midpoint between two E2M1
+    # values (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) up to float32 rounding.
+    s = np.repeat(ours[UP + ".weight_scale"].astype(np.float32), 16, axis=1)
+    x = np.abs(np.asarray(w, np.float32)[differ]) / (s[differ] * scale_2.item())
+    midpoints = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    gap = np.min(np.abs(x[:, None] - midpoints[None, :]), axis=1)
+    assert np.all(gap <= 4 * np.spacing(np.float32(x))), x
+
+
+def test_compressed_tensors_unpacks_our_export(tmp_path, torch):
+    pytest.importorskip("compressed_tensors")
+    try:
+        from compressed_tensors.compressors.nvfp4.helpers import (
+            pack_fp4_to_uint8,
+            unpack_fp4_from_uint8,
+        )
+    except ImportError:  # older releases
+        from compressed_tensors.compressors.quantized_compressors.nvfp4_quantized import (  # noqa: E501
+            pack_fp4_to_uint8,
+            unpack_fp4_from_uint8,
+        )
+    export(tmp_path)
+    tensors = _torch_tensors(torch, tmp_path / "model.safetensors")
+    ckpt = import_nvfp4(tmp_path)
+    for name in (UP, DOWN):
+        packed = tensors[name + ".weight"]
+        n, k = packed.shape[0], 2 * packed.shape[1]
+        values = unpack_fp4_from_uint8(packed, n, k, dtype=torch.float32)
+        # The E2M1 values as this file's own reader decodes them ...
+        unit, _ = serve_dequantize(read_st(tmp_path / "model.safetensors")[0], name)
+        s = np.repeat(
+            tensors[name + ".weight_scale"].to(torch.float32).numpy(), 16, axis=1
+        )
+        np.testing.assert_array_equal(values.numpy() * s, unit)
+        # ... packed back to the same bytes (the even element in the low nibble)
+        np.testing.assert_array_equal(pack_fp4_to_uint8(values).numpy(), packed)
+        served = values.numpy() * s * tensors[name + ".weight_scale_2"].item()
+        ours = np.asarray(jax_nvfp4.dequantize(ckpt.quantized[name], jnp.float32))
+        assert np.all(np.abs(served - ours) <= np.spacing(np.abs(ours))), name
