@@ -36,7 +36,7 @@ _GOOD = """
 ### `Policy(rules=(), default=None, keep_last=0, num_layers=None, block_pattern=...)`
 ### `Policy.recipe_for(path)`
 ### `path_string(parts)`
-### `transformer_policy(num_layers, *, recipe=NVFP4, keep_last=1, nvfp4_patterns=(), bf16_patterns=())`
+### `transformer_policy(num_layers, *, recipe, keep_last, nvfp4_patterns, ...)`
 ### `warn_unmatched_rules(policy, paths, stacklevel=3)`
 """
 

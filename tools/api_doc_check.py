@@ -231,7 +231,9 @@ def check_links(paths: list[pathlib.Path]) -> list[str]:
     entries = _troubleshooting_entries(readme)
     for n in re.findall(r"[Tt]roubleshooting (\d+)", readme):
         if int(n) not in entries:
-            problems.append(f"README.md cites troubleshooting {n}, which does not exist")
+            problems.append(
+                f"README.md cites troubleshooting {n}, which does not exist"
+            )
     return problems
 
 
@@ -245,6 +247,7 @@ def check_all() -> list[str]:
 
 
 def main() -> int:
+    sys.path.insert(0, str(ROOT))  # check the package beside these docs
     problems = check_all()
     for problem in problems:
         print(problem)
