@@ -16,7 +16,9 @@
 #                 the source tree has no compiled handlers), in --jobs
 #                 processes when pytest-xdist is there (compiling the tests'
 #                 computations is CPU-bound); arguments after -- replace "tests"
-#   --sanitizer   compute-sanitizer --tool memcheck, then --tool racecheck
+#   --sanitizer   compute-sanitizer --tool memcheck and --tool racecheck, each
+#                 smoke part (tools/sanitizer_smoke.py --list) in a process of
+#                 its own, the processes side by side
 #   --numerics    builds and runs tools/fast_numerics_check.cu (sm_90a)
 #   --bench       benchmarks/quantize_bench.py --kernels and
 #                 benchmarks/linear_bench.py --clocks (about 9 minutes on an
@@ -114,14 +116,32 @@ fi
 
 if wants sanitizer; then
   sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  # Each smoke part under each tool in a process of its own, all at once
+  # (they share the GPU). XLA compiles on one thread: with parallel
+  # compilation the sanitizer's own process can die of SIGSEGV
+  # (tools/sanitizer_repro.py shows it without jax_nvfp4).
+  parts="$(python3 tools/sanitizer_smoke.py --list)"
+  work="$(mktemp -d)"
+  for tool in memcheck racecheck; do
+    for part in $parts; do
+      (
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_force_compilation_parallelism=1" \
+          timeout "${SANITIZER_TIMEOUT:-420}" "$sanitizer" --tool "$tool" --error-exitcode 3 \
+          python3 tools/sanitizer_smoke.py --parts "$part" > "$work/$tool.$part.log" 2>&1
+        echo $? > "$work/$tool.$part.rc"
+      ) &
+    done
+  done
+  wait
   : > "$out/sanitizer.log"
   for tool in memcheck racecheck; do
-    echo "=== compute-sanitizer --tool $tool" >> "$out/sanitizer.log"
-    timeout "${SANITIZER_TIMEOUT:-240}" "$sanitizer" --tool "$tool" --error-exitcode 3 \
-      python3 tools/sanitizer_smoke.py >> "$out/sanitizer.log" 2>&1
-    rc=$?
-    result "sanitizer $tool" "$rc" "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitizer smoke' "$out/sanitizer.log" | tail -2 | tr '\n' ' ')"
+    for part in $parts; do
+      { echo "=== compute-sanitizer --tool $tool: $part"; cat "$work/$tool.$part.log"; } >> "$out/sanitizer.log"
+      result "sanitizer $tool $part" "$(cat "$work/$tool.$part.rc")" \
+        "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$work/$tool.$part.log" | tail -1)"
+    done
   done
+  rm -rf "$work"
 fi
 
 if wants numerics; then

@@ -3,7 +3,9 @@
     compute-sanitizer --tool memcheck python3 tools/sanitizer_smoke.py
     compute-sanitizer --tool racecheck python3 tools/sanitizer_smoke.py
 
-tools/gpu_check.sh --sanitizer runs both. The shapes are small (the tools
+tools/gpu_check.sh --sanitizer runs both, each part (--parts) in a process
+of its own and XLA compiling on one thread (tools/sanitizer_repro.py: the
+sanitizer itself crashes with XLA's parallel compilation). The shapes are small (the tools
 slow kernels down a hundredfold) and odd (partial tiles, k not a multiple of
 16, a batch axis), so that every bounds check and every tail path of the
 kernels runs: the quantize kernels (row-wise, column-wise, 16x16, RHT,
@@ -157,7 +159,14 @@ def main(argv=None):
         default=",".join(PARTS),
         help=f"comma-separated, of {', '.join(PARTS)} (default: all)",
     )
-    parts = parser.parse_args(argv).parts.split(",")
+    parser.add_argument(
+        "--list", action="store_true", help="print the parts' names and exit"
+    )
+    args = parser.parse_args(argv)
+    if args.list:
+        print(" ".join(PARTS))
+        return
+    parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     key = jax.random.key(0)
