@@ -211,6 +211,8 @@ def _given_amax(amax, x, name="amax", trusted=False) -> _GivenAmax:
             f"{name} must be a float32 scalar (the max |x| of the whole tensor), "
             f"got {type(amax).__name__}"
         )
+    # Read before the conversion, which under jit may stage a Python float.
+    value = _concrete(amax) if np.size(amax) == 1 else None
     amax = jnp.asarray(amax)
     if amax.size != 1 or amax.ndim > 1:
         raise ValueError(
@@ -222,7 +224,6 @@ def _given_amax(amax, x, name="amax", trusted=False) -> _GivenAmax:
     amax = amax.astype(jnp.float32).reshape(())
     if trusted:
         return _GivenAmax(amax, checked=False)
-    value = _concrete(amax)
     if value is None:
         return _GivenAmax(amax, checked=True)
     if not (np.isfinite(value) and value >= 0):
