@@ -559,7 +559,12 @@ def dequantize(
         return jax.vmap(
             functools.partial(dequantize, dtype=dtype, implementation=implementation)
         )(t)
-    dtype = jnp.dtype(dtype)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"dequantize produces float32, bfloat16 or float16, not {dtype!r}"
+        ) from None
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         if dtype != jnp.dtype(jnp.float16):
             raise TypeError(

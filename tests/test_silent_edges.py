@@ -264,6 +264,11 @@ def test_equinox_convert_converts_layers_inside_any_pytree():
             ValueError,
             "implementation must be",
         ),
+        (
+            lambda x: nv.dequantize(nv.quantize(x), "half4"),
+            TypeError,
+            "float32, bfloat16 or float16, not 'half4'",
+        ),
         (lambda x: nv.dot(x, x.T, key=0), ValueError, "key must be"),
         (lambda x: nv.dot(x, nv.quantize(x.T, 0)), TypeError, "NVFP4Tensor.*matmul"),
         (lambda x: nv.dot(x, {"w": 1}), TypeError, "w is a dict"),
