@@ -193,7 +193,8 @@ class _GivenAmax:
             return values, scales, self.value
         amax = self.value
         s = scales.astype(jnp.float32)
-        holds_data = jnp.any((s > 0) & (s < np.inf))  # a NaN scale counts not
+        # NaN scales mark non-finite blocks, not data.
+        holds_data = jnp.any((s > 0) & (s < np.inf))
         valid = ((amax > 0) & (amax < np.inf)) | ((amax == 0) & ~holds_data)
         scales = jnp.where(valid, scales, jnp.array(np.nan, scales.dtype))
         if holds_values(values):
