@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import sys
 
@@ -373,12 +374,22 @@ def build(args: argparse.Namespace):
 
 
 def count_nvfp4_layers(model) -> tuple[int, int]:
-    """(linear layers, those in NVFP4), each layer of a stack counted."""
+    """(linear layers and expert projections, those in NVFP4), each layer of
+    a stack counted; an ``Experts`` (all experts of one projection) is one."""
+
+    def is_layer(node):
+        return isinstance(node, (eqx.nn.Linear, nveqx.Linear, nveqx.Experts))
+
     total = converted = 0
-    for layer in nveqx.linear_paths(model).values():
-        size = layer.weight.shape[0] if layer.weight.ndim > 2 else 1
+    for layer in jax.tree.leaves(model, is_leaf=is_layer):
+        if not is_layer(layer):
+            continue
+        own = 3 if isinstance(layer, nveqx.Experts) else 2
+        size = math.prod(layer.weight.shape[:-own])
         total += size
-        if isinstance(layer, nveqx.Linear):
+        if isinstance(layer, nveqx.Experts):
+            converted += size if layer.recipe is not None else 0
+        elif isinstance(layer, nveqx.Linear):
             converted += size if layer.nvfp4 is None else int(layer.nvfp4.sum())
     return total, converted
 
@@ -419,7 +430,8 @@ def main(argv=None) -> list[dict]:
     total, converted = count_nvfp4_layers(model)
     print(
         f"{label}: {n_params / 1e6:.1f}M parameters; {converted} of {total} "
-        f"linear layers in NVFP4 ({args.precision}, --remat {args.remat})",
+        f"{'linear and expert layers' if args.experts else 'linear layers'} in "
+        f"NVFP4 ({args.precision}, --remat {args.remat})",
         flush=True,
     )
 

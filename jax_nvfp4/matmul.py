@@ -41,6 +41,17 @@ def _stored_rank3(t: NVFP4Tensor, name: str):
     )
 
 
+def _out_dtype(out_dtype) -> np.dtype:
+    try:
+        dtype = np.dtype(out_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+        got = repr(out_dtype) if dtype is None else str(dtype)
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {got}")
+    return dtype
+
+
 def _weight_only_path(rows: int, k: int, n: int, implementation: str) -> str:
     if implementation != "ffi" or jax.default_backend() != "gpu":
         return "xla"
@@ -109,11 +120,9 @@ def matmul(
     Returns:
       ``[..., M, N]`` of ``out_dtype``: sum over k of a[..., m, k] * b[n, k].
     """
+    implementation_ops(implementation)  # checks it
     if isinstance(b, NVFP4Tensor) and not isinstance(a, NVFP4Tensor):
-        out_dtype = np.dtype(out_dtype)
-        if out_dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
-            raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-        return _weight_only(a, b, out_dtype, implementation)
+        return _weight_only(a, b, _out_dtype(out_dtype), implementation)
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, NVFP4Tensor):
             raise TypeError(f"matmul takes NVFP4Tensors; {name} is {type(t).__name__}")
@@ -143,9 +152,7 @@ def matmul(
         raise ValueError(
             f"b's leading dims {sb[:-2]} must equal a's {sa[:-2]} (or b be a matrix)"
         )
-    out_dtype = np.dtype(out_dtype)
-    if out_dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
-        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    out_dtype = _out_dtype(out_dtype)
     ops = implementation_ops(implementation)
     a3 = _stored_rank3(a, "a")
     b3 = _stored_rank3(b, "b")

@@ -16,6 +16,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from jax_nvfp4.format import NVFP4Tensor
 from jax_nvfp4.recipe import MISSING_KEY_MESSAGE, NVFP4, Recipe, _dot2d
 
 __all__ = ["dot", "dot_general"]
@@ -53,6 +54,7 @@ def dot(
     Returns:
       [..., N]; gradients flow to x and w (float32 accumulation).
     """
+    x, w = _as_array(x, "x", "dot"), _as_array(w, "w", "dot")
     if x.ndim < 1 or w.ndim != 2:
         raise ValueError(
             f"dot takes x [..., K] and w [K, N]; got shapes {x.shape} and {w.shape}"
@@ -70,6 +72,25 @@ def dot(
         axis_name=axis_name,
     )
     return out.reshape(*x.shape[:-1], w.shape[1])
+
+
+def _as_array(a, name: str, fn: str) -> jax.Array:
+    """An operand as an array: array-likes (lists, NumPy arrays, scalars)
+    convert as in ``jnp.dot``."""
+    if isinstance(a, NVFP4Tensor):
+        raise TypeError(
+            f"{fn} takes unquantized arrays (it quantizes them itself); {name} is "
+            "an NVFP4Tensor: multiply quantized operands with jax_nvfp4.matmul"
+        )
+    if isinstance(a, jax.Array):
+        return a
+    try:
+        return jnp.asarray(a)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{fn} takes arrays (or array-likes such as nested lists of numbers); "
+            f"{name} is a {type(a).__name__}: {e}"
+        ) from None
 
 
 def _dims(dims, ndim: int, what: str) -> tuple[int, ...]:
@@ -156,6 +177,8 @@ def dot_general(
     """
     if kwargs:
         raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+    lhs = _as_array(lhs, "lhs", "dot_general")
+    rhs = _as_array(rhs, "rhs", "dot_general")
     lc, rc, lb, rb = _parse_dimension_numbers(dimension_numbers, lhs, rhs)
     if lb:
         out = jax.lax.dot_general(

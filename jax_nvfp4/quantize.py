@@ -44,9 +44,9 @@ _MAX_STOCHASTIC_ELEMENTS = 2**35
 
 def implementation_ops(implementation: Implementation):
     """The module whose functions run the ops: the primitives or their twins."""
-    if implementation == "ffi":
+    if isinstance(implementation, str) and implementation == "ffi":
         return ops
-    if implementation == "reference":
+    if isinstance(implementation, str) and implementation == "reference":
         return reference
     raise ValueError(
         f"implementation must be 'ffi' or 'reference', got {implementation!r}"
@@ -70,6 +70,12 @@ def _check_input(x, name="x") -> jax.Array:
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(
+            f"axis must be an int (the quantized axis), got "
+            f"{type(axis).__name__} {axis!r}"
+        )
+    axis = int(axis)
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis {axis} is out of range for an array of rank {ndim}")
     return axis % ndim
@@ -83,19 +89,18 @@ def _check_multiple_of_16(shape, axis: int, what: str):
         )
 
 
-def _block_rows(block: Block) -> int:
-    if block == "1x16":
-        return 1
-    if block == "16x16":
-        return 16
-    raise ValueError(f"block must be '1x16' or '16x16', got {block!r}")
+def _block_rows(block: Block, name: str = "block") -> int:
+    if isinstance(block, str) and block in _BLOCK_ROWS:
+        return _BLOCK_ROWS[block]
+    raise ValueError(f"{name} must be '1x16' or '16x16', got {block!r}")
 
 
-def _is_stochastic(rounding: Rounding) -> bool:
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(
-            f"rounding must be 'nearest' or 'stochastic', got {rounding!r}"
-        )
+_BLOCK_ROWS = {"1x16": 1, "16x16": 16}
+
+
+def _is_stochastic(rounding: Rounding, name: str = "rounding") -> bool:
+    if not (isinstance(rounding, str) and rounding in ("nearest", "stochastic")):
+        raise ValueError(f"{name} must be 'nearest' or 'stochastic', got {rounding!r}")
     return rounding == "stochastic"
 
 
@@ -150,7 +155,65 @@ def key_words(key, stochastic: bool, size: int) -> jax.Array:
     return data.reshape(1, 2)
 
 
-def _check_amax(amax, name="amax") -> jax.Array:
+# A given amax must be a max |x| over x's finite elements: finite and >= 0,
+# and 0 only where x has no nonzero finite element. A concrete one is checked
+# when the call is traced; a traced one (a jit argument, a pmax) is checked
+# against the quantized result: where it is NaN, +-inf or negative, or 0
+# while x holds a nonzero finite element, the tensor is marked invalid (see
+# quantize's docstring, "amax"), so the error shows as NaN wherever the
+# tensor is used instead of as finite garbage or zeros.
+#
+# The handlers quantize with this amax in place of any amax that is not
+# finite and positive: S_enc = 2688 / _PROBE_AMAX = 2^120 exactly and
+# S_dec = 2^-120 is normal, so the arithmetic is the same on every backend,
+# and every block holding a nonzero finite element (|x| >= 2^-126) gets a
+# nonzero scale, which is how an amax of 0 is checked against x.
+_PROBE_AMAX = np.float32(2688 * 2.0**-120)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GivenAmax:
+    """A given amax as the float32 scalar stored in the tensor, and whether
+    it is checked against the quantized result (traced, or 0)."""
+
+    value: jax.Array
+    checked: bool
+
+    def for_handler(self) -> jax.Array:
+        if not self.checked:
+            return self.value
+        usable = (self.value > 0) & (self.value < np.inf)
+        return jnp.where(usable, self.value, _PROBE_AMAX)
+
+    def mark(self, values, scales):
+        """(values, scales, amax) of the quantized result, marked invalid
+        where the amax is: every scale the E4M3 NaN (0x7F), decoded values
+        NaN, the amax NaN."""
+        if not self.checked:
+            return values, scales, self.value
+        amax = self.value
+        s = scales.astype(jnp.float32)
+        # NaN scales mark non-finite blocks, not data.
+        holds_data = jnp.any((s > 0) & (s < np.inf))
+        valid = ((amax > 0) & (amax < np.inf)) | ((amax == 0) & ~holds_data)
+        scales = jnp.where(valid, scales, jnp.array(np.nan, scales.dtype))
+        if holds_values(values):
+            values = jnp.where(valid, values, jnp.array(np.nan, values.dtype))
+        return values, scales, jnp.where(valid, amax, np.float32(np.nan))
+
+
+def _given_amax(amax, x, name="amax", trusted=False) -> _GivenAmax:
+    """Checks a given amax; ``trusted``: a max over x's finite |values| (the
+    training recipe's, reduced over shards), which needs no check."""
+    if isinstance(amax, NVFP4Tensor) or not (
+        hasattr(amax, "dtype") or isinstance(amax, (int, float, np.number))
+    ):
+        raise TypeError(
+            f"{name} must be a float32 scalar (the max |x| of the whole tensor), "
+            f"got {type(amax).__name__}"
+        )
+    # Read before the conversion, which under jit may stage a Python float.
+    value = _concrete(amax) if np.size(amax) == 1 else None
     amax = jnp.asarray(amax)
     if amax.size != 1 or amax.ndim > 1:
         raise ValueError(
@@ -160,17 +223,35 @@ def _check_amax(amax, name="amax") -> jax.Array:
     if not jnp.issubdtype(amax.dtype, jnp.floating):
         raise TypeError(f"{name} must be a float, got {amax.dtype}")
     amax = amax.astype(jnp.float32).reshape(())
-    try:  # a concrete value can be checked; a traced one cannot
-        value = float(amax)
-    except (jax.errors.ConcretizationTypeError, TypeError):
-        return amax
-    if not (np.isfinite(value) and value > 0):
+    if trusted:
+        return _GivenAmax(amax, checked=False)
+    if value is None:
+        return _GivenAmax(amax, checked=True)
+    if not (np.isfinite(value) and value >= 0):
         raise ValueError(
-            f"{name}={value} must be a finite, positive max |x| (0 would give "
-            "all-zero scales); pass the tensor's amax, e.g. "
-            "jax_nvfp4.global_amax(x), or leave it out"
+            f"{name}={value} must be a finite, positive max |x|; pass the "
+            "tensor's amax, e.g. jax_nvfp4.global_amax(x), or leave it out"
         )
-    return amax
+    if value > 0:
+        return _GivenAmax(amax, checked=False)
+    data = None if isinstance(x, jax.core.Tracer) else _concrete(reference.abs_max(x))
+    if data is not None and data > 0:
+        raise ValueError(
+            f"{name}=0 must be a finite, positive max |x|: x holds values up to "
+            f"{data} (an amax of 0 would quantize them to zeros); pass the "
+            "tensor's amax, e.g. jax_nvfp4.global_amax(x), or leave it out"
+        )
+    # 0 for x without a nonzero finite element: valid. Under jit x is not
+    # known here, so the result is checked.
+    return _GivenAmax(amax, checked=data is None)
+
+
+def _concrete(a) -> float | None:
+    """A scalar's value, or None where it is traced."""
+    try:
+        return float(a)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        return None
 
 
 def global_amax(
@@ -182,16 +263,19 @@ def global_amax(
 ) -> jax.Array:
     """The float32 amax that ``quantize(x, axis, rht=rht)`` uses.
 
-    max |x| over the whole tensor (NaN ignored); with ``rht``, the max of the
-    bfloat16 Random-Hadamard-transformed values along ``axis``.
+    max |x| over the finite elements of the whole tensor (NaN and +-inf
+    ignored; 0 if there is none); with ``rht``, the max of the finite
+    bfloat16 Random-Hadamard-transformed values along ``axis``. Always a
+    valid ``amax`` for ``quantize``, also after a ``jax.lax.pmax`` of it.
     """
     x = _check_input(x)
-    if not rht:
-        return reference.abs_max(x)
     axis = _normalize_axis(axis, x.ndim)
+    impl = implementation_ops(implementation)
+    if not _check_flag(rht, "rht"):
+        return reference.abs_max(x)
     _check_multiple_of_16(x.shape, axis, "the Random Hadamard Transform")
     x3, cols = _rank3(x, axis)
-    return jnp.max(implementation_ops(implementation).amax(x3, cols=cols)[:, 1])
+    return jnp.max(impl.amax(x3, cols=cols)[:, 1])
 
 
 def _rank3(x, axis):
@@ -216,6 +300,7 @@ def quantize(
     stream: int = 0,
     implementation: Implementation = "ffi",
     _place=None,
+    _amax_trusted: bool = False,
 ) -> NVFP4Tensor:
     """Quantizes x to NVFP4 along ``axis``.
 
@@ -230,8 +315,16 @@ def quantize(
         first (the values are then stored transformed; see ``NVFP4Tensor.rht``).
       key: PRNG key for stochastic rounding; the random bits depend only on the
         key, ``stream`` and the element's index, on every backend.
-      amax: the global amax to use (a scalar), e.g. one reduced across shards;
-        computed from x when omitted.
+      amax: the global amax to use (a float scalar), e.g. one reduced across
+        shards: the max |x| over x's finite elements, so finite and >= 0 (0
+        only for an x without a nonzero finite element); computed from x
+        when omitted. A concrete amax that is not raises a ValueError. A
+        traced one (under ``jit``) is checked against the result: where it
+        is NaN, +-inf or negative, or 0 while x holds a nonzero finite
+        element, every block scale is the E4M3 NaN and the tensor's amax NaN
+        (its codes mean nothing), so ``dequantize`` gives NaN everywhere and
+        so does every ``matmul`` output with it. The check reads the scales
+        twice more (x.size / 16 bytes each).
       stream: stochastic-rounding stream id in [0, 255], to draw independent
         bits from one key for several quantizations.
       implementation: ``"ffi"`` (the custom calls) or ``"reference"`` (pure JAX).
@@ -242,6 +335,7 @@ def quantize(
     """
     x = _check_input(x)
     axis = _normalize_axis(axis, x.ndim)
+    _check_flag(rht, "rht")
     _check_multiple_of_16(x.shape, axis, "NVFP4")
     block_rows = _block_rows(block)
     if block_rows == 16:
@@ -255,7 +349,7 @@ def quantize(
     spec = ops.QuantizeSpec(
         block_rows=block_rows,
         stochastic=_is_stochastic(rounding),
-        rht=rht,
+        rht=bool(rht),
         stream=_check_stream(stream),
     )
     impl = implementation_ops(implementation)
@@ -267,17 +361,20 @@ def quantize(
             amax = jnp.max(impl.amax(x3, cols=cols)[:, 1])
         else:
             amax = reference.abs_max(x)
+        given = _GivenAmax(amax, checked=False)
     else:
-        amax = _check_amax(amax)
+        given = _given_amax(amax, x, trusted=_amax_trusted)
     origin, place = _placement(_place, x3)
+    handler_amax = given.for_handler().reshape(1)
     if cols:
         codes, scales = impl.quantize_cols(
-            x3, amax.reshape(1), words, origin, cols=spec, place=place
+            x3, handler_amax, words, origin, cols=spec, place=place
         )
     else:
         codes, scales = impl.quantize_rows(
-            x3, amax.reshape(1), words, origin, rows=spec, place=place
+            x3, handler_amax, words, origin, rows=spec, place=place
         )
+    codes, scales, amax = given.mark(codes, scales)
     return _wrap(codes, scales, amax, x.shape, axis, block, rht)
 
 
@@ -299,10 +396,20 @@ def _placement(place, x3):
     return origin, ops.Place(global_m=global_m, global_k=x3.shape[2])
 
 
-def _check_stream(stream: int) -> int:
+def _check_stream(stream: int, name: str = "stream") -> int:
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
+        raise TypeError(
+            f"{name} must be an int in [0, 255], got {type(stream).__name__} {stream!r}"
+        )
     if not 0 <= stream <= 255:
-        raise ValueError(f"stream must be in [0, 255], got {stream}")
-    return stream
+        raise ValueError(f"{name} must be in [0, 255], got {stream}")
+    return int(stream)
+
+
+def _check_flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def _wrap(codes, scales, amax, shape, axis, block, rht) -> NVFP4Tensor:
@@ -339,6 +446,7 @@ def quantize_rowwise_and_columnwise(
     _place=None,
     _row_decoded: bool = False,
     _col_decoded: bool = False,
+    _amax_trusted: bool = False,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Quantizes x [..., M, K] along K (row-wise) and along M (column-wise).
 
@@ -348,6 +456,9 @@ def quantize_rowwise_and_columnwise(
     codes ``[..., K, M/2]``. Leading axes are independent matrices that share
     one global amax. For the training recipe, X and dY are [tokens, features]:
     the column-wise copy (typically with ``col_rht=True``) feeds WGRAD.
+
+    ``row_amax`` / ``col_amax`` are each checked as ``quantize``'s ``amax``
+    (an invalid traced one marks its own side only).
 
     ``_row_decoded`` / ``_col_decoded`` (the recipe's, on the Hopper GEMM
     path): return that side as a ``decoded`` NVFP4Tensor, its bfloat16 GEMM
@@ -365,16 +476,16 @@ def quantize_rowwise_and_columnwise(
     _check_multiple_of_16(x.shape, n - 1, "row-wise NVFP4")
     _check_multiple_of_16(x.shape, n - 2, "column-wise NVFP4")
     row_spec = ops.QuantizeSpec(
-        block_rows=_block_rows(row_block),
-        stochastic=_is_stochastic(row_rounding),
-        rht=row_rht,
-        stream=_check_stream(row_stream),
+        block_rows=_block_rows(row_block, "row_block"),
+        stochastic=_is_stochastic(row_rounding, "row_rounding"),
+        rht=_check_flag(row_rht, "row_rht"),
+        stream=_check_stream(row_stream, "row_stream"),
     )
     col_spec = ops.QuantizeSpec(
-        block_rows=_block_rows(col_block),
-        stochastic=_is_stochastic(col_rounding),
-        rht=col_rht,
-        stream=_check_stream(col_stream),
+        block_rows=_block_rows(col_block, "col_block"),
+        stochastic=_is_stochastic(col_rounding, "col_rounding"),
+        rht=_check_flag(col_rht, "col_rht"),
+        stream=_check_stream(col_stream, "col_stream"),
     )
     impl = implementation_ops(implementation)
     _warn_unused_key(key, row_spec.stochastic or col_spec.stochastic)
@@ -390,15 +501,17 @@ def quantize_rowwise_and_columnwise(
             plain, col_amax = jnp.max(both[:, 0]), jnp.max(both[:, 1])
         else:
             plain = col_amax = reference.abs_max(x)
+        col_given = _GivenAmax(col_amax, checked=False)
     else:
-        col_amax = _check_amax(col_amax, "col_amax")
+        col_given = _given_amax(col_amax, x, "col_amax", _amax_trusted)
     if row_amax is None:
         if row_rht:
             row_amax = jnp.max(impl.amax(x3, cols=False)[:, 1])
         else:
             row_amax = plain if plain is not None else reference.abs_max(x)
+        row_given = _GivenAmax(row_amax, checked=False)
     else:
-        row_amax = _check_amax(row_amax, "row_amax")
+        row_given = _given_amax(row_amax, x, "row_amax", _amax_trusted)
 
     if (_row_decoded or _col_decoded) and ops.fused_writes_values(
         x.dtype, row_spec, col_spec
@@ -408,14 +521,16 @@ def quantize_rowwise_and_columnwise(
     origin, place = _placement(_place, x3)
     row_codes, row_scales, col_codes, col_scales = impl.quantize_rows_cols(
         x3,
-        row_amax.reshape(1),
-        col_amax.reshape(1),
+        row_given.for_handler().reshape(1),
+        col_given.for_handler().reshape(1),
         words,
         origin,
         rows=row_spec,
         cols=col_spec,
         place=place,
     )
+    row_codes, row_scales, row_amax = row_given.mark(row_codes, row_scales)
+    col_codes, col_scales, col_amax = col_given.mark(col_codes, col_scales)
     rows = _wrap(row_codes, row_scales, row_amax, x.shape, n - 1, row_block, row_rht)
     cols = _wrap(col_codes, col_scales, col_amax, x.shape, n - 2, col_block, col_rht)
     return rows, cols
@@ -445,7 +560,12 @@ def dequantize(
         return jax.vmap(
             functools.partial(dequantize, dtype=dtype, implementation=implementation)
         )(t)
-    dtype = jnp.dtype(dtype)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"dequantize produces float32, bfloat16 or float16, not {dtype!r}"
+        ) from None
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         if dtype != jnp.dtype(jnp.float16):
             raise TypeError(

@@ -215,11 +215,14 @@ def test_per_example_gradients_and_batched_weights_are_not_folded():
         _assert_equal(ys[i], jax.jit(ensemble)(weights[i], x[i]))
 
 
-def test_key_required_unless_inference_or_no_sr():
+def test_key_needed_for_gradients_unless_inference_or_no_sr():
     lin, x, _ = _data()
     layer = nveqx.Linear.from_linear(lin, nv.NVFP4)
-    with pytest.raises(ValueError, match="key=.*inference_mode"):
-        layer(x[0])
+    # Without a key, as jax_nvfp4.dot: the forward pass runs (its output does
+    # not depend on the key), its gradient raises.
+    _assert_equal(layer(x[0]), layer(x[0], key=jax.random.key(0)))
+    with pytest.raises(ValueError, match="without a key.*key=.*keys"):
+        eqx.filter_grad(lambda m: jnp.sum(m(x[0])))(layer)
     inference = eqx.nn.inference_mode(layer)
     assert inference.inference
     _assert_equal(inference(x[0]), layer(x[0], key=jax.random.key(0)))  # fwd: nearest
@@ -474,9 +477,11 @@ def test_keys_block_gives_each_layer_its_own_key():
     for a, b in zip(got, other, strict=True):
         assert not np.array_equal(np.asarray(a), np.asarray(b))
 
-    # Without a key: an error; a key captured by the traced function: an error.
+    # Without a key: the forward pass, whose gradient raises; a key captured
+    # by the traced function: an error.
+    mlp(x[0])
     with pytest.raises(ValueError, match=r"keys\(step_key\)"):
-        mlp(x[0])
+        eqx.filter_grad(lambda m: jnp.sum(m(x[0])))(mlp)
     with nveqx.keys(key), pytest.raises(ValueError, match="argument"):
         eqx.filter_jit(lambda m: jax.vmap(m)(x))(mlp)
     with pytest.raises(TypeError, match="keys"):

@@ -51,6 +51,12 @@ def test_concrete_amax_must_be_finite_and_positive(amax):
         nv.quantize(jnp.ones((4, 32)), amax=amax)
 
 
+def test_concrete_zero_amax_of_a_zero_tensor_is_valid():
+    t = nv.quantize(jnp.zeros((4, 32)), amax=0.0)
+    assert float(t.amax) == 0.0
+    assert not jnp.any(nv.dequantize(t, jnp.float32))
+
+
 def test_traced_amax_is_accepted():
     x = jnp.ones((4, 32))
     t = jax.jit(lambda x, a: nv.quantize(x, amax=a))(x, jnp.float32(2.0))

@@ -62,7 +62,10 @@ in this order: ``layer(x, key=key)``; else the innermost active
 ``fold_in(step_key, n)`` with n counting the calls made in that block while
 JAX traces it (for models such as ``eqx.nn.MLP`` that pass no key to their
 layers); else, in inference mode (``eqx.nn.inference_mode(model)``, where no
-gradient is expected), a fixed key; else it raises. The count runs at trace
+gradient is expected), a fixed key; else none, and the layer runs as
+``jax_nvfp4.dot`` does without a key: the forward pass (the same output as
+with any key: stochastic rounding is for dY only), whose gradient raises a
+ValueError saying how to pass a key. The count runs at trace
 time: a ``lax.scan`` body is traced once, so every layer of a scanned stack
 draws the same key from an enclosing ``keys`` block -- pass per-layer keys
 through the scan instead (``key=`` or a ``keys(layer_key)`` block inside the

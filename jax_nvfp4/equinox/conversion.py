@@ -4,6 +4,7 @@ selects for their NVFP4 forms (``Linear``, ``Experts`` with a recipe), and
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -145,7 +146,9 @@ def convert(model: Any, policy: Policy) -> Any:
     (see the module docstring).
 
     Args:
-      model: an Equinox model (a pytree of modules).
+      model: an Equinox model: any pytree (modules, lists, tuples, dicts)
+        holding the layers. One without any gets a ``UserWarning`` and is
+        returned as it is.
       policy: a ``jax_nvfp4.policy.Policy``. A rule whose glob matches no
         linear layer gets a ``UserWarning`` listing the paths found.
 
@@ -162,6 +165,9 @@ def convert(model: Any, policy: Policy) -> Any:
         )
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_layer)[0]
     found = [(kp, leaf) for kp, leaf in leaves if _is_layer(leaf)]
+    if not found:
+        _warn_no_layers(model, [leaf for _, leaf in leaves])
+        return model
     warn_unmatched_rules(policy, [path_string(kp) for kp, _ in found], stacklevel=3)
     wheres, replacements = [], []
     for key_path, leaf in found:
@@ -177,6 +183,22 @@ def convert(model: Any, policy: Policy) -> Any:
         return [_get(m, key_path) for key_path in wheres]
 
     return eqx.tree_at(where, model, replace=replacements, is_leaf=_is_layer)
+
+
+def _warn_no_layers(model: Any, leaves: list) -> None:
+    """The model has no layer to convert: say what convert looks for."""
+    count = len(leaves)
+    held = f"{count} {'leaf' if count == 1 else 'leaves'}, none a layer"
+    warnings.warn(
+        f"jax_nvfp4.equinox.convert found no layer to convert in this "
+        f"{type(model).__name__} ({held}); it is returned unchanged. convert "
+        "swaps eqx.nn.Linear layers (and jax_nvfp4.equinox.Linear / Experts) "
+        "found anywhere in a pytree of Equinox modules, lists, tuples and "
+        "dicts; an array is not a layer (wrap weights in eqx.nn.Linear, or "
+        "call jax_nvfp4.dot on them)",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _get(node: Any, key_path) -> Any:

@@ -14,13 +14,14 @@ amax and one GEMM per expert over the whole batch (``fold.folded_ragged_dot``;
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4.equinox.key_source import _key_words
+from jax_nvfp4.equinox.key_source import _key_words, forward_only
 from jax_nvfp4.fold import folded_ragged_dot
 from jax_nvfp4.recipe import Recipe
 
@@ -89,14 +90,20 @@ class Experts(eqx.Module):
         """x [T, in_features] sorted by expert, group_sizes int [num_experts]
         -> [T, out_features] in x's dtype (rows past sum(group_sizes) are
         zeros). ``key``: for stochastic rounding in the backward pass (or a
-        ``jax_nvfp4.equinox.keys`` block), as for ``Linear``."""
+        ``jax_nvfp4.equinox.keys`` block), as for ``Linear``; without one
+        the forward pass runs and its gradient raises."""
         if self.weight.ndim != 3:
             raise ValueError(
                 f"these Experts are a stack (weight {self.weight.shape}): call "
                 "them per layer, inside a lax.scan over their arrays"
             )
         weight = self.weight.astype(x.dtype)
-        words = jnp.zeros((2,), jnp.uint32)
+        product = functools.partial(folded_ragged_dot, self.recipe)
+        words = None
         if self.recipe is not None:
-            words = _key_words(key, self.recipe, self.inference, layer="Experts")
-        return folded_ragged_dot(self.recipe, x, weight, group_sizes, words)
+            words = _key_words(key, self.recipe, self.inference)
+            if words is None:  # as jax_nvfp4.ragged_dot without a key
+                product = forward_only(folded_ragged_dot, self.recipe, "Experts")
+        if words is None:
+            words = jnp.zeros((2,), jnp.uint32)
+        return product(x, weight, group_sizes, words)

@@ -1,12 +1,15 @@
 """Where an Equinox layer's stochastic-rounding key comes from: its
 ``key=`` argument, else the innermost ``keys(step_key)`` block, else (in
-inference mode) a fixed key (see the package docstring, "Keys")."""
+inference mode) a fixed key, else none: the forward pass runs and its
+gradient raises (see the package docstring, "Keys")."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -107,25 +110,16 @@ def keys(key: jax.Array) -> Iterator[None]:
 
 
 def _key_words(
-    key: jax.Array | None, recipe: Recipe, inference: bool, layer: str = "Linear"
-) -> jax.Array:
-    """uint32[2] words of ``key`` (typed or raw); a fixed key when unused.
-    ``layer`` names the calling layer type in the error."""
+    key: jax.Array | None, recipe: Recipe, inference: bool
+) -> jax.Array | None:
+    """uint32[2] words of ``key`` (typed or raw); a fixed key when unused;
+    None when the recipe needs a key and there is none (``forward_only``)."""
     if not recipe.needs_key:
         return jnp.zeros((2,), jnp.uint32)
     if key is None and _source_stack():
         key = _source_stack()[-1].draw()
     if key is None:
-        if inference:
-            return jnp.zeros((2,), jnp.uint32)
-        raise ValueError(
-            f"this jax_nvfp4.equinox.{layer}'s recipe uses stochastic rounding in "
-            "the backward pass: call it with key=... (a new key each step) or "
-            "inside a `with jax_nvfp4.equinox.keys(step_key):` block, put the "
-            "model in inference mode (eqx.nn.inference_mode(model)) when no "
-            "gradient is taken, or convert with a recipe without stochastic "
-            "rounding (jax_nvfp4.NVFP4_NO_SR)"
-        )
+        return jnp.zeros((2,), jnp.uint32) if inference else None
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         data = jax.random.key_data(key)
         if data.shape[-1:] == (2,) and data.dtype == jnp.uint32:
@@ -137,3 +131,43 @@ def _key_words(
             f"{key.dtype}{list(key.shape)}"
         )
     return key
+
+
+def _missing_key_message(layer: str) -> str:
+    return (
+        f"this jax_nvfp4.equinox.{layer} was differentiated without a key: its "
+        "recipe rounds dY stochastically in the backward pass. Call it with "
+        "key=... (a new key each step) or inside a `with "
+        "jax_nvfp4.equinox.keys(step_key):` block, or convert with a recipe "
+        "without stochastic rounding (jax_nvfp4.NVFP4_NO_SR)"
+    )
+
+
+def forward_only(
+    product: Callable[..., jax.Array], recipe: Recipe, layer: str
+) -> Callable[..., jax.Array]:
+    """``product(recipe, *operands)`` for a layer called without a key, as
+    ``jax_nvfp4.dot`` runs without one: the forward pass (stochastic
+    rounding is for dY only, so the output is the same as with any key), and
+    its gradient raises a ValueError saying how to give the layer a key. The
+    key operand is unused."""
+    no_sr = dataclasses.replace(recipe, stochastic_rounding=False)
+    return functools.partial(
+        _forward_only, functools.partial(product, no_sr), _missing_key_message(layer)
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _forward_only(product, message, *operands):
+    return product(*operands)
+
+
+def _forward_only_fwd(product, message, *operands):
+    return product(*operands), None
+
+
+def _forward_only_bwd(product, message, residuals, cotangent):
+    raise ValueError(message)
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4.equinox.key_source import _key_words
+from jax_nvfp4.equinox.key_source import _key_words, forward_only
 from jax_nvfp4.fold import folded_dot
 from jax_nvfp4.recipe import NVFP4, Recipe
 
@@ -137,7 +137,9 @@ class Linear(eqx.Module):
             any leading dimensions of tokens.
           key: PRNG key for stochastic rounding in the backward pass (see the
             module docstring); unused when the recipe has no stochastic
-            rounding.
+            rounding. Without one (nor a ``keys`` block, nor inference mode)
+            the forward pass runs, as ``jax_nvfp4.dot``'s does without a
+            key, and differentiating it raises a ValueError.
         """
         if self.weight.ndim != 2:
             raise ValueError(
@@ -152,7 +154,11 @@ class Linear(eqx.Module):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"x must be floating point, got {x.dtype}")
         kd = _key_words(key, self.recipe, self.inference)
-        nvfp4 = functools.partial(_nvfp4_product, self.recipe)
+        if kd is None:  # as jax_nvfp4.dot without a key: forward only
+            nvfp4 = forward_only(_nvfp4_product, self.recipe, "Linear")
+            kd = jnp.zeros((2,), jnp.uint32)
+        else:
+            nvfp4 = functools.partial(_nvfp4_product, self.recipe)
         operands = (x, self.weight, self.bias, kd)
         flag = self.nvfp4
         if flag is None:
