@@ -187,7 +187,7 @@ def global_amax(
     """
     x = _check_input(x)
     if not rht:
-        return reference.abs_max(x)
+        return implementation_ops(implementation).abs_max(x)
     axis = _normalize_axis(axis, x.ndim)
     _check_multiple_of_16(x.shape, axis, "the Random Hadamard Transform")
     x3, cols = _rank3(x, axis)
