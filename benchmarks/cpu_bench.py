@@ -3,6 +3,7 @@
     python benchmarks/cpu_bench.py                      # 2048 tokens x 1024 -> 1024
     python benchmarks/cpu_bench.py --shape 4096x2048x2048 --calls 5
     python benchmarks/cpu_bench.py --parts              # add where the time goes
+    python benchmarks/cpu_bench.py --only-passes        # dequantize, global_amax
 
 Rows, each a jitted call, timed as the median wall time of --calls calls; the
 rows take turns, --rounds times (a drift of the machine, such as another
@@ -21,6 +22,13 @@ min..max over rounds):
                      included; yardstick of both: the XLA elementwise pass
                      (x.astype(float32) * s).astype(bfloat16) over x (reads
                      and writes bf16 once, one fusion).
+  dequantize D       jax_nvfp4.dequantize of quantize(x2) to dtype D;
+                     yardstick: an XLA elementwise pass that reads the codes
+                     and writes the output, (broadcast of each code byte to
+                     two elements).astype(f32) * s, as D (one fusion).
+  global_amax D      jax_nvfp4.global_amax(x2) (max |x| over the finite
+                     values); yardstick: XLA's own reduce jnp.max(jnp.abs(x2)).
+The last two for x2 [--pass-shape] in bfloat16 and float32.
 With --parts, the primitives the recipe's step runs, each alone (amaxes
 given where the primitive takes them), to see where the time goes: the plain
 amax (reference.abs_max, XLA), the amax primitive (plain and RHT amax), the
@@ -94,6 +102,28 @@ def rows(t: int, k: int, n: int):
     yield "quantize", jax.jit(nv.quantize), (x,), f"elementwise {ELEMENTWISE}"
 
 
+def passes(r: int, c: int):
+    """Rows of the single-pass ops over x2 [r, c], in bfloat16 and float32."""
+    scale = jnp.float32(0.5)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        name = jnp.dtype(dtype).name
+        x2 = jax.random.normal(jax.random.key(1), (r, c), dtype)
+        q = nv.quantize(x2)
+        codes = q.codes
+
+        def pass_over_codes(a, s, dtype=dtype):
+            both = jnp.broadcast_to(a[..., None], (*a.shape, 2))
+            return (both.reshape(r, c).astype(jnp.float32) * s).astype(dtype)
+
+        base = f"elementwise codes -> {name}"
+        yield base, jax.jit(pass_over_codes), (codes, scale), None
+        deq = jax.jit(lambda t, dtype=dtype: nv.dequantize(t, dtype))
+        yield f"dequantize {name}", deq, (q,), base
+        reduce = f"jnp.max(jnp.abs(x)) {name}"
+        yield reduce, jax.jit(lambda a: jnp.max(jnp.abs(a))), (x2,), None
+        yield f"global_amax {name}", jax.jit(nv.global_amax), (x2,), reduce
+
+
 def parts(t: int, k: int, n: int):
     """The primitives of one training step, each alone."""
     x, w, dy, key = operands(t, k, n)
@@ -156,16 +186,25 @@ def main():
     parser.add_argument("--calls", type=int, default=5, help="timed calls a round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every row")
     parser.add_argument("--parts", action="store_true", help="time each primitive")
+    parser.add_argument(
+        "--pass-shape", default="4096x4096", help="RxC of the single-pass rows"
+    )
+    parser.add_argument(
+        "--only-passes", action="store_true", help="only the single-pass rows"
+    )
     parser.add_argument("--out", help="also write the timings as JSON here")
     args = parser.parse_args()
     t, k, n = parse_shape(args.shape)
+    r, c = parse_shape(args.pass_shape)
     print(header())
     print(f"cores: {os.cpu_count()} | load average: {os.getloadavg()[0]:.2f}")
     print(
         f"x [{t}, {k}] bf16, w [{k}, {n}] bf16; median of {args.calls} calls, "
         f"{args.rounds} rounds"
     )
-    entries = list(rows(t, k, n))
+    print(f"single-pass rows: x2 [{r}, {c}]")
+    entries = [] if args.only_passes else list(rows(t, k, n))
+    entries += list(passes(r, c))
     samples = timed_rounds(entries, args.calls, args.rounds)
     print(f"{'op':<48} {'ms':>9} {'ratio':>7} {'min..max':>12}")
     for name, _, _, base in entries:

@@ -8,6 +8,9 @@ vector kernels compiled for several instruction sets (ffi/cpu/).
   long sums, batches and both output types.
 - Quantize and amax: the bytes of the reference on shapes that split into
   several chunks (threads) and partial tiles.
+- Dequantize and global_amax (the plain amax has a CPU handler of its own):
+  the reference's bits for every code byte and scale byte, non-finite and
+  subnormal inputs, chunks that span batch items.
 - Every kernel variant (JAX_NVFP4_CPU_KERNELS=base / avx2; the default is the
   best the CPU has) gives the same bytes and sums, checked in subprocesses
   (the variant is chosen once per process).
@@ -244,6 +247,98 @@ def test_amax_bits(cols):
     )
 
 
+# --- dequantize and the plain amax ---------------------------------------------
+
+
+def _dequantize_case(batch, rows, length, n_amax, dtype, seed=0):
+    """The handler's and the twin's values (their bits, numpy) of random codes
+    and scale bytes, every byte value of each among them."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, (batch, rows, length // 2), dtype=np.uint8)
+    scales = rng.integers(0, 256, (batch, rows, length // 16), dtype=np.uint8)
+    codes.reshape(-1)[: min(256, codes.size)] = np.arange(256)[: codes.size]
+    scales.reshape(-1)[: min(256, scales.size)] = np.arange(256)[: scales.size]
+    scales = jax.lax.bitcast_convert_type(jnp.asarray(scales), jnp.float8_e4m3fn)
+    amax = jnp.asarray(rng.uniform(1e-3, 1e30, n_amax).astype(np.float32))
+    args = (jnp.asarray(codes), scales, amax)
+    bits = np.uint32 if dtype == jnp.float32 else np.uint16
+    return tuple(
+        np.asarray(_on_cpu(jax.jit(functools.partial(fn, dtype=dtype)), *args)).view(
+            bits
+        )
+        for fn in (ops.dequantize, ref.dequantize)
+    )
+
+
+# (batch, rows, length, amaxes): one block; rows in chunks that span batch
+# items with an amax each; long rows.
+DEQUANTIZE_SHAPES = [(1, 1, 16, 1), (3, 700, 64, 3), (4, 9, 48, 2), (1, 40, 4096, 1)]
+
+
+@pytest.mark.parametrize("shape", DEQUANTIZE_SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dequantize_bits(shape, dtype):
+    got, want = _dequantize_case(*shape, dtype)
+    if dtype == jnp.bfloat16:
+        # A NaN rounds to the bfloat16 NaN 0x7FC0 (FloatToBfloat16Bits), where
+        # XLA's convert keeps the sign of the float32 NaN that a scale byte 0xFF
+        # (never written by a quantize) gives.
+        nan = (want & 0x7FFF) > 0x7F80
+        np.testing.assert_array_equal((got & 0x7FFF) > 0x7F80, nan)
+        got, want = got[~nan], want[~nan]
+    np.testing.assert_array_equal(got, want)
+
+
+def _abs_max_inputs():
+    """name -> x (numpy): non-finite values, subnormals, rows of any length,
+    several chunks (threads), no finite value at all."""
+    rng = np.random.default_rng(3)
+    bf16, f16, f32 = ml_dtypes.bfloat16, np.float16, np.float32
+    wide = np.array(outlier_data(4, (3, 70001), jnp.float32))
+    special = np.array(outlier_data(5, (257, 33), jnp.float32))
+    for value in (np.nan, np.inf, -np.inf):
+        special.reshape(-1)[rng.choice(special.size, 40, replace=False)] = value
+    tiny = np.finfo(f32).tiny
+    subnormal = np.full((64, 16), tiny / 4, f32)
+    inputs = {"wide": wide, "wide_bf16": wide.astype(bf16)}
+    for dtype in (f32, bf16, f16):
+        name = np.dtype(dtype).name
+        inputs[f"special_{name}"] = special.astype(dtype)
+        inputs[f"no_finite_{name}"] = np.array([[np.nan, np.inf, -np.inf]], dtype)
+    inputs["subnormal_f32"] = subnormal
+    inputs["subnormal_f32_and_normal"] = subnormal.copy()
+    inputs["subnormal_f32_and_normal"][3, 3] = -tiny
+    inputs["subnormal_bf16"] = subnormal.astype(bf16)
+    inputs["subnormal_f16"] = np.full((8, 5), 2.0**-20, f16)
+    inputs["one"] = np.array([-3.5], f32)
+    inputs["empty"] = np.zeros((4, 0), bf16)
+    return inputs
+
+
+ABS_MAX_INPUTS = _abs_max_inputs()
+
+
+@pytest.mark.parametrize("name", sorted(ABS_MAX_INPUTS))
+def test_global_amax_bits(name):
+    x = ABS_MAX_INPUTS[name]
+    got, want = (
+        _on_cpu(jax.jit(functools.partial(nv.global_amax, implementation=i)), x)
+        for i in ("ffi", "reference")
+    )
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)
+    )
+
+
+def test_global_amax_under_vmap():
+    x = ABS_MAX_INPUTS["special_float32"][:256].reshape(4, 64, 33)
+    got = _on_cpu(jax.jit(jax.vmap(nv.global_amax)), x)
+    want = _on_cpu(jax.jit(jax.vmap(ref.abs_max)), x)
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)
+    )
+
+
 # --- kernel variants ------------------------------------------------------------
 
 
@@ -274,6 +369,12 @@ def cpu_outputs() -> dict:
                 out[f"{name}/{i}/{part}"] = array
     for cols in (False, True):
         out[f"amax/{cols}"] = np.asarray(_amax_case(cols)[0])
+    for shape in DEQUANTIZE_SHAPES[:3]:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            got = _dequantize_case(*shape, dtype)[0]
+            out[f"dequantize/{shape}/{np.dtype(dtype).name}"] = got
+    for name, x in ABS_MAX_INPUTS.items():
+        out[f"global_amax/{name}"] = np.asarray(_on_cpu(jax.jit(nv.global_amax), x))
     for m, k, n in VARIANT_GEMM_SHAPES:
         a, b = _operands(m, k, n)
         for dtype in (jnp.float32, jnp.bfloat16):

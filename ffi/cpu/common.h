@@ -245,16 +245,6 @@ struct QuantizeTarget {
   uint8_t* scales;
 };
 
-// out[flat] = value, rounded to out's type (float32 or bfloat16).
-inline void StoreFloat(ffi::AnyBuffer& out, int64_t flat, float value) {
-  if (out.element_type() == ffi::DataType::F32) {
-    static_cast<float*>(out.untyped_data())[flat] = value;
-  } else {
-    static_cast<uint16_t*>(out.untyped_data())[flat] =
-        FloatToBfloat16Bits(value);
-  }
-}
-
 }  // namespace cpu
 }  // namespace jax_nvfp4
 

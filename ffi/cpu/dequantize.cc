@@ -1,6 +1,8 @@
-// CPU handler of jax_nvfp4_dequantize: e2m1(code) * s_b * amax / 2688.
+// CPU handler of jax_nvfp4_dequantize: e2m1(code) * s_b * amax / 2688
+// (cpu/dequantize_kernels.inc, on XLA's intra-op threads).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "bindings.h"
 #include "checks.h"
@@ -11,6 +13,10 @@
 namespace jax_nvfp4 {
 namespace cpu {
 namespace {
+
+#define JAX_NVFP4_KERNELS "cpu/dequantize_kernels.inc"
+#include "cpu/isa_variants.inc"
+#undef JAX_NVFP4_KERNELS
 
 // out[b, r, l] = e2m1(code) * s_b * amax / 2688, as float32 or bfloat16.
 ffi::Error DequantizeCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
@@ -29,13 +35,17 @@ ffi::Error DequantizeCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
       batch % n_amax != 0) {
     return InvalidArgument("dequantize operands have inconsistent shapes");
   }
-  if (const ffi::DataType t = out->element_type();
-      t != ffi::DataType::F32 && t != ffi::DataType::BF16) {
+  const ffi::DataType type = out->element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16) {
     return InvalidArgument("dequantize output must be float32 or bfloat16");
   }
+  const bool bf16 = type == ffi::DataType::BF16;
+  const int64_t element_bytes = bf16 ? 2 : 4;
   const uint8_t* scale_bytes =
       static_cast<const uint8_t*>(scales.untyped_data());
   const uint8_t* code_bytes = codes.typed_data();
+  char* const out_bytes = static_cast<char*>(out->untyped_data());
+  const int64_t blocks_per_row = len / kBlock;
   // Rows in chunks of about 64K elements, on XLA's intra-op threads.
   const int64_t total_rows = batch * rows;
   const int64_t chunks =
@@ -44,17 +54,17 @@ ffi::Error DequantizeCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
   const int64_t per_chunk = (total_rows + chunks - 1) / chunks;
   ParallelFor(pool, chunks, [&](int64_t c) {
     const int64_t last = std::min(total_rows, (c + 1) * per_chunk);
-    for (int64_t row = c * per_chunk; row < last; ++row) {
+    // The chunk's rows by batch item, each run of them with its own amax.
+    for (int64_t row = c * per_chunk; row < last;) {
       const int64_t b = row / rows;
-      const float a = amax.typed_data()[b / (batch / n_amax)];
-      for (int64_t l = 0; l < len; ++l) {
-        const int64_t flat = row * len + l;
-        const float multiplier =
-            BlockDecodeMultiplier(E4M3Decode(scale_bytes[flat / kBlock]), a);
-        const uint32_t code = (code_bytes[flat / 2] >> (4 * (flat & 1))) & 0xF;
-        const float value = E2M1Decode(code) * multiplier;
-        StoreFloat(*out, flat, value);
-      }
+      const int64_t end = std::min(last, (b + 1) * rows);
+      const int64_t block = row * blocks_per_row;
+      JAX_NVFP4_CALL_KERNEL(DequantizeBlocks, code_bytes + block * kBlock / 2,
+                            scale_bytes + block,
+                            amax.typed_data()[b / (batch / n_amax)],
+                            (end - row) * blocks_per_row, bf16,
+                            out_bytes + block * kBlock * element_bytes);
+      row = end;
     }
   });
   return ffi::Error::Success();

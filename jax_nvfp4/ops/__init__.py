@@ -6,7 +6,7 @@ names and signatures (the pure-JAX twins)."""
 
 from jax_nvfp4.backends.gemm import gemm_path
 from jax_nvfp4.backends.gemm import takes_values as gemm_takes_values
-from jax_nvfp4.ops.amax import amax, amax_p
+from jax_nvfp4.ops.amax import abs_max, abs_max_p, amax, amax_p
 from jax_nvfp4.ops.dequantize import dequantize, dequantize_p
 from jax_nvfp4.ops.matmul import matmul, matmul_p
 from jax_nvfp4.ops.quantize import (
@@ -24,6 +24,8 @@ from jax_nvfp4.ops.quantize import (
 __all__ = [
     "Place",
     "QuantizeSpec",
+    "abs_max",
+    "abs_max_p",
     "amax",
     "amax_p",
     "dequantize",

@@ -2,7 +2,12 @@
 (max |x|, max |bf16(RHT(x))|), the Random Hadamard Transform running along k
 (as quantize's ``rows`` transform) or, with ``cols``, along m (as ``cols``).
 One read of x gives both amaxes that a transformed column-wise copy and a
-plain row-wise copy need."""
+plain row-wise copy need.
+
+The abs_max primitive: x [batch, m, k] -> float32 [batch], max |x| per batch
+item, the plain amax alone. Its handler is the CPU's (XLA:CPU reduces the
+finite-only maximum of ``reference.abs_max`` several times slower than a
+plain ``max(abs(x))``); elsewhere it lowers to that twin."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from jax_nvfp4 import reference
 from jax_nvfp4.ops import batching, primitive
 from jax_nvfp4.ops.sharding import BATCH, Dim, Layout
 
-__all__ = ["amax", "amax_p"]
+__all__ = ["abs_max", "abs_max_p", "amax", "amax_p"]
 
 
 def _abstract(x, *, cols):
@@ -65,3 +70,49 @@ amax_p = primitive.define(
 def amax(x, *, cols: bool):
     """x [b, m, k] -> [b, 2]: (plain amax, RHT amax along m if cols else k)."""
     return amax_p.bind(x, cols=bool(cols))
+
+
+def _abs_max_abstract(x):
+    return jax.core.ShapedArray((x.shape[0],), jnp.float32)
+
+
+def _abs_max_layout(shapes):
+    ((batch, m, k),) = shapes
+    return Layout(
+        operands=((Dim(BATCH), Dim("m"), Dim("k")),),
+        results=((Dim(BATCH),),),
+        sizes={BATCH: batch, "m": m, "k": k},
+        granule={"m": 1, "k": 1},
+        reduce={"m": "max", "k": "max"},
+        names={BATCH: "batch", "m": "row (m)", "k": "column (k)"},
+    )
+
+
+def _abs_max_batch(args, dims):
+    (x,), (xd,) = args, dims
+    size = batching.batch_size(args, dims)
+    out = abs_max_p.bind(batching.fold(x, xd, size))
+    return out.reshape(size, -1), 0
+
+
+def _abs_max_reference(x):
+    return jax.vmap(reference.abs_max)(x.reshape(x.shape[0], -1))
+
+
+abs_max_p = primitive.define(
+    "nvfp4_abs_max",
+    "jax_nvfp4_abs_max",
+    _abs_max_abstract,
+    _abs_max_reference,
+    _abs_max_batch,
+    _abs_max_layout,
+    multiple=False,
+)
+
+
+def abs_max(x):
+    """max |x| over the finite elements of x (any shape), float32: the values
+    of ``reference.abs_max``, the same signature."""
+    k = x.shape[-1] if x.ndim and x.shape[-1] else 1
+    x3 = x.reshape(1, -1, k)
+    return abs_max_p.bind(x3)[0]
