@@ -17,9 +17,10 @@ runs the NVFP4 recipe, the embedding and ``logits_dense`` stay bf16. The
 linen twin is quantized with ``qwix.quantize_model(model, provider)`` and
 takes its keys from ``apply(..., rngs={"nvfp4": step_key})``.
 
-MaxText. MaxText 0.2.5 (the release this was checked against) requires
-Python >= 3.12 and, in its cuda12/tpu extras, jax >= 0.11.1, so it was read
-from its wheel, not run. Its quantized-training hook is qwix: with
+MaxText. benchmarks/maxtext_check.py trains MaxText 0.2.5's own decoder
+(dense and MoE) this way, beside bf16, and lists the wheels its model code
+needs (MaxText requires Python >= 3.12). Its quantized-training hook is
+qwix: with
 ``use_qwix_quantization: true`` and a non-empty ``quantization``,
 ``maxtext.utils.model_creation_utils.create_model`` calls
 ``maxtext.layers.quantizations.maybe_quantize_model(model, config)``, which
@@ -39,6 +40,7 @@ which the provider intercepts. The lines a MaxText user changes:
 2. A launcher in place of ``python -m maxtext.trainers.pre_train.train``
    that patches the two functions before training::
 
+       import jax_nvfp4
        import qwix
        from absl import app
        from flax import nnx
@@ -49,6 +51,8 @@ which the provider intercepts. The lines a MaxText user changes:
        def get_qt_provider(config):
            return NvFp4Provider([
                qwix.QtRule(module_path=r".*/gate$"),          # MoE router: bf16
+               NvFp4Rule(module_path=r"decoder/.*MoeBlock_\\d+",  # experts
+                         recipe=jax_nvfp4.NVFP4_NO_SR),
                NvFp4Rule(module_path=r"decoder/.*layers.*"),  # MaxText's path
            ])
 
@@ -67,12 +71,16 @@ which the provider intercepts. The lines a MaxText user changes:
    ``train.main`` is what ``python -m maxtext.trainers.pre_train.train``
    runs.) Without ``set_rngs`` the forward pass runs and the backward pass
    asks for a key; ``NvFp4Provider(rules, recipe=jax_nvfp4.NVFP4_NO_SR)``
-   needs none. MaxText scans its layers by default (``scan_layers: true``)
-   over stacked layer state; whether the shared stream set by ``set_rngs``
-   advances inside that scan could not be checked here, so start with
-   ``scan_layers=false``. MoE experts (``ragged_dot``/megablox) are not
-   intercepted and stay bf16; NVFP4 needs every matched weight's K and N to
-   be multiples of 16.
+   needs none. MaxText scans its layers by default (``scan_layers: true``);
+   inside that scan the layers draw from a copy of the stream whose counter
+   does not come back out, so every step and layer would round with the
+   same keys: set ``scan_layers=false``. MoE: with ``sparse_matmul=true
+   megablox=false`` the experts run ``jax.lax.ragged_dot``, which the
+   provider intercepts, but inside MaxText's ``shard_map``, where the stream
+   cannot advance (hence ``NVFP4_NO_SR`` for the experts) and qwix finds
+   ``wo`` among the module's params but cannot tell ``wi_0`` from ``wi_1``
+   (the same shape), which stay bf16. NVFP4 needs every matched weight's K
+   and N to be multiples of 16.
 """
 
 from __future__ import annotations
