@@ -11,11 +11,13 @@ plain ``max(abs(x))``); elsewhere it lowers to that twin."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from jax_nvfp4 import reference
-from jax_nvfp4.ops import batching, primitive
+from jax_nvfp4.ops import batching, primitive, sharding
 from jax_nvfp4.ops.sharding import BATCH, Dim, Layout
 
 __all__ = ["abs_max", "abs_max_p", "amax", "amax_p"]
@@ -113,6 +115,11 @@ abs_max_p = primitive.define(
 def abs_max(x):
     """max |x| over the finite elements of x (any shape), float32: the values
     of ``reference.abs_max``, the same signature."""
-    k = x.shape[-1] if x.ndim and x.shape[-1] else 1
-    x3 = x.reshape(1, -1, k)
-    return abs_max_p.bind(x3)[0]
+    if sharding.explicit_mesh((x,)) is not None:
+        # Typed with Explicit mesh axes: the reshape below would need an
+        # out_sharding; XLA's own reduce partitions as the type says.
+        return reference.abs_max(x)
+    if x.ndim < 2 or not x.size:
+        return reference.abs_max(x)
+    x3 = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
+    return jnp.max(abs_max_p.bind(x3))

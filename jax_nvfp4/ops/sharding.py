@@ -37,6 +37,7 @@ __all__ = [
     "BATCH",
     "Dim",
     "Layout",
+    "explicit_mesh",
     "needs_devices_during_lowering",
     "on_auto_axes",
     "partitioned",
@@ -47,7 +48,7 @@ __all__ = [
 BATCH = "batch"
 
 
-def _explicit_mesh(arrays):
+def explicit_mesh(arrays):
     """The mesh of the first operand typed with Explicit mesh axes (the axes
     of ``jax.make_mesh``'s default), or None."""
     for a in jax.tree.leaves(arrays):
@@ -65,7 +66,7 @@ def on_auto_axes(fn: Callable, arrays, out_spec: Callable[[], P]):
     ``out_spec()``. Explicit typing would otherwise require an out_sharding
     for every scatter and gather of a body written for Auto meshes.
     Elsewhere (no mesh, Auto axes, inside shard_map) it is ``fn(*arrays)``."""
-    mesh = _explicit_mesh(arrays)
+    mesh = explicit_mesh(arrays)
     if mesh is None:
         return fn(*arrays)
     spec = out_spec()
