@@ -282,12 +282,18 @@ def test_equinox_experts_need_a_key_for_stochastic_rounding():
 
     experts = nveqx.Experts(E, D, F, recipe=nv.NVFP4, key=jax.random.key(0))
     x, sizes = _rows(12)
-    with pytest.raises(ValueError, match="Experts's recipe uses stochastic"):
-        experts(x, sizes)
+    # The forward pass draws no random bits: without a key it runs, as dot's.
+    np.testing.assert_array_equal(
+        experts(x, sizes), experts(x, sizes, key=jax.random.key(5))
+    )
     eqx.nn.inference_mode(experts)(x, sizes)  # evaluation: a fixed key
 
     def loss(m, k):
         return jnp.sum(m(x, sizes, key=k).astype(jnp.float32))
+
+    # Its gradient needs the bits: without a key, a clear error.
+    with pytest.raises(ValueError, match="key"):
+        eqx.filter_grad(loss)(experts, None)
 
     grads = [
         eqx.filter_grad(loss)(experts, k).weight
