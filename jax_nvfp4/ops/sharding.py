@@ -217,6 +217,9 @@ def _shard_index(mesh, axes):
     return index
 
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
 def partitioned(
     local_fn: Callable,
     layout_fn: Callable[..., Layout],
@@ -254,6 +257,14 @@ def partitioned(
         multiple = isinstance(result_shape, list | tuple)
 
         def lower(*arrays):
+            # XLA calls back into this while it compiles, which can be inside
+            # the caller's jax.set_mesh: the shard's work has local shapes and
+            # no mesh (traced with one, its ops would carry sharding
+            # annotations that nothing is left to partition).
+            with jax.sharding.use_abstract_mesh(_NO_MESH):
+                return lower_shard(*arrays)
+
+        def lower_shard(*arrays):
             arrays = list(arrays)
             if origin_arg is not None:
                 offsets = []
