@@ -235,8 +235,10 @@ class NvFp4Provider(qwix.QtProvider):
 
         if rule is None or rule.weight_qtype is None or group_offset is not None:
             return unquantized()
-        if not _is_param(rhs):  # not a module's weight [G, K, N]
-            return unquantized()
+        # ragged_dot's [G, K, N] operand is one weight per group by the op's
+        # definition, so it is not looked up among the module's params (which
+        # fails inside a shard_map, where MaxText runs its experts, and for
+        # weights of one shape such as wi_0 and wi_1).
         if (
             jnp.ndim(lhs) != 2
             or jnp.ndim(rhs) != 3

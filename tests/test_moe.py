@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jax_nvfp4 as nv
 from jax_nvfp4.flax import Experts, NNXRaggedDot, convert, nvfp4_layers
@@ -173,6 +174,40 @@ def test_qwix_runs_matched_ragged_dot_as_jax_nvfp4_ragged_dot():
     other = NvFp4Provider([NvFp4Rule(module_path=".*router.*")])
     plain = qwix.quantize_model(model, other).apply(params, x, sizes)
     _assert_equal(plain, jax.lax.ragged_dot(x, w, sizes))
+
+
+class LinenGatedExperts(nn.Module):
+    """Two expert weights of one shape (MaxText's wi_0 and wi_1), which qwix
+    cannot tell apart by shape."""
+
+    @nn.compact
+    def __call__(self, x, sizes):
+        w0 = self.param("wi_0", nn.initializers.normal(0.1), (E, D, F), BF16)
+        w1 = self.param("wi_1", nn.initializers.normal(0.1), (E, D, F), BF16)
+
+        def experts(x, w0, w1, sizes):
+            return jax.lax.ragged_dot(x, w0, sizes), jax.lax.ragged_dot(x, w1, sizes)
+
+        # Inside shard_map, as MaxText runs its experts: qwix sees the
+        # shard_map's operands, not the params.
+        mesh = jax.make_mesh((1,), ("expert",))
+        return jax.shard_map(experts, mesh=mesh, in_specs=P(), out_specs=P())(
+            x, w0, w1, sizes
+        )
+
+
+def test_qwix_ragged_dot_weights_of_one_shape_both_run_nvfp4():
+    qwix = pytest.importorskip("qwix")
+    from jax_nvfp4.qwix import NvFp4Provider, NvFp4Rule
+
+    model = LinenGatedExperts()
+    x, sizes = _rows(7)
+    params = model.init(jax.random.key(0), x, sizes)
+    qmodel = qwix.quantize_model(model, NvFp4Provider([NvFp4Rule(module_path=".*")]))
+    got = qmodel.apply(params, x, sizes, rngs={"nvfp4": jax.random.key(1)})
+    for name, y in zip(("wi_0", "wi_1"), got, strict=True):
+        w = params["params"][name]
+        _assert_equal(y, nv.ragged_dot(x, w, sizes, key=jax.random.key(1)))
 
 
 def test_qwix_ragged_dot_trains():
