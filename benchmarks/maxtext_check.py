@@ -613,6 +613,7 @@ def main(argv=None) -> int:
         )
         summary["wall_s"] = round(time.perf_counter() - start, 1)
         if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=1)
             with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
