@@ -208,6 +208,23 @@ def test_equinox_convert_warns_when_it_finds_no_layer():
         nveqx.convert(jnp.ones((32, 16)), policy)
 
 
+def test_flax_convert_warns_when_it_finds_no_layer():
+    from flax import nnx
+
+    from jax_nvfp4 import flax as nvflax
+
+    class NoLinear(nnx.Module):
+        def __init__(self):
+            self.scale = nnx.Param(jnp.ones(16))
+
+    model = NoLinear()
+    for policy in (Policy(default=nv.NVFP4), Policy()):  # with and without rules
+        with pytest.warns(
+            UserWarning, match="found no layer to convert in this NoLinear"
+        ):
+            assert nvflax.convert(model, policy) is model
+
+
 def test_equinox_convert_converts_layers_inside_any_pytree():
     key = jax.random.key(0)
     tree = {

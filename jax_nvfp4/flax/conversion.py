@@ -254,7 +254,19 @@ def convert(
             problems.append(f"{path} ({type(layer).__name__}: {why})")
             continue
         selected.append((layer, list(recipes) if stack else recipes))
-    warn_unmatched_rules(policy, paths)
+    if not paths:
+        warnings.warn(
+            f"jax_nvfp4.flax.convert found no layer to convert in this "
+            f"{type(model).__name__}; it is returned unchanged. convert swaps the "
+            "products of nnx.Linear, nnx.LinearGeneral, weight-like nnx.Einsum "
+            "and jax_nvfp4.flax.Experts layers of an NNX model (linen models: "
+            "jax_nvfp4.flax.LinenDotGeneral or qwix; Equinox: "
+            "jax_nvfp4.equinox.convert)",
+            UserWarning,
+            stacklevel=2,
+        )
+    else:
+        warn_unmatched_rules(policy, paths)
     if problems:
         message = "the policy selects layers that cannot run NVFP4: " + "; ".join(
             problems
