@@ -323,9 +323,12 @@ def build(args: argparse.Namespace) -> tuple[Llama, str]:
         rngs=nnx.Rngs(params=args.seed),
     )
     recipe = train_common.PRECISIONS[args.precision]
-    linears = sum(isinstance(n, nnx.Linear) for _, n in nnx.iter_graph(model))
+    # An Experts stack is one layer here, as nvfp4_layers lists it.
+    linears = sum(
+        isinstance(n, (nnx.Linear, Experts)) for _, n in nnx.iter_graph(model)
+    )
     if recipe is None:
-        return model, f"all {linears} linear layers (or stacks) in bf16"
+        return model, f"all {linears} linear and expert layers (or stacks) in bf16"
     # The last --keep-last blocks are the model's tail stack, kept in bf16.
     policy = transformer_policy(
         args.layers,
@@ -343,7 +346,7 @@ def build(args: argparse.Namespace) -> tuple[Llama, str]:
         )
     kept = f", the last {args.keep_last} block(s) in bf16" if args.keep_last else ""
     return model, (
-        f"{len(converted)} of {linears} linear layers (or stacks) in NVFP4 "
+        f"{len(converted)} of {linears} linear and expert layers (or stacks) in NVFP4 "
         f"({args.precision}{kept}): {', '.join(converted) or '-'}"
     )
 
