@@ -8,7 +8,7 @@ gate/up and down projections, as ``recipe._dot2`` calls ``matmul``: both
 operands K-contiguous, [M, K] and [N, K], bf16 out), three timings on the
 same bf16 operands:
   nvfp4     the cuBLASLt handler behind ``jax_nvfp4.matmul`` on Hopper
-            (``backends.hopper``), operands already decoded, alpha from the
+            (``backends.bf16_gemm``), operands already decoded, alpha from the
             amaxes;
   xla TN    ``lax.dot_general`` of the same [M, K] and [N, K] operands (XLA's
             cuBLASLt call, autotuned, alpha = 1);
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from common import argument_parser, header, median_seconds, write_json
 
-from jax_nvfp4.backends import hopper
+from jax_nvfp4.backends import bf16_gemm
 
 
 def shapes(tokens: int, d: int, ffn: int):
@@ -65,14 +65,14 @@ def main(argv=None):
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     print(header())
-    if not hopper.cublaslt_gemm_supported():
+    if not bf16_gemm.cublaslt_gemm_supported():
         print("the cuBLASLt bf16 GEMM handler is not available here: nothing to time")
         return
     amax = jnp.ones((1,), jnp.float32) * 2688.0  # alpha = 1
 
     def nvfp4(pairs):
         return [
-            hopper.matmul_values(a[None], b[None], amax, amax, jnp.bfloat16)
+            bf16_gemm.matmul_values(a[None], b[None], amax, amax, jnp.bfloat16)
             for a, b in pairs
         ]
 

@@ -29,7 +29,6 @@ WGRAD of the same) against XLA's dense batched GEMM of the same FLOPs.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 from common import argument_parser, header, write_json
 
 import jax_nvfp4 as nv
-from jax_nvfp4.backends import grouped_gemm
+from jax_nvfp4.backends import bf16_grouped_gemm
 
 
 def group_sizes(rows: int, experts: int) -> jax.Array:
@@ -82,10 +81,10 @@ def kernel_steps(rows, wg, sizes, dense_product):
     same FLOPs."""
 
     def rows_form(a, b, s, alpha, ta, tb):
-        return grouped_gemm.rows(a, b, s, alpha, jnp.bfloat16, handler=True)
+        return bf16_grouped_gemm.rows(a, b, s, alpha, jnp.bfloat16, handler=True)
 
     def tokens_form(a, b, s, alpha, ta, tb):
-        return grouped_gemm.tokens(ta, tb, s, alpha, jnp.float32, handler=True)
+        return bf16_grouped_gemm.tokens(ta, tb, s, alpha, jnp.float32, handler=True)
 
     def dense_form(a, b, s, alpha, ta, tb):
         return dense_product(a[: rows.shape[0]], jnp.swapaxes(b, 1, 2), None)
@@ -146,13 +145,11 @@ def main(argv=None):
         "nvfp4, XLA grouped": jax.jit(swiglu(nvfp4_product)),
         "bf16 dense batched": jax.jit(swiglu(dense_product)),
     }
-    if not grouped_gemm.handler_supported():
+    if not bf16_grouped_gemm.handler_supported():
         del steps["nvfp4, XLA grouped"]  # the same as "nvfp4 ragged_dot"
     for name, fn in steps.items():
-        switch = "0" if name == "nvfp4, XLA grouped" else "1"
-        os.environ["JAX_NVFP4_GROUPED_GEMM"] = switch  # read when traced
-        steps[name] = fn.lower(*operands).compile()
-    os.environ.pop("JAX_NVFP4_GROUPED_GEMM")
+        with nv.config.override(grouped_gemm=name != "nvfp4, XLA grouped"):
+            steps[name] = fn.lower(*operands).compile()
     operands_of = {}
     if args.kernels:
         steps.update(kernel_steps(rows, wg, sizes, dense_product))

@@ -105,10 +105,10 @@ def _decode_op():
     if jax.default_backend() != "gpu":
         return None
     try:
-        from jax_nvfp4.backends import hopper
+        from jax_nvfp4.backends import bf16_gemm
     except ImportError:
         return None
-    return getattr(hopper, "decode_bf16_cuda", None)
+    return getattr(bf16_gemm, "decode_bf16_cuda", None)
 
 
 def bench_shape(m, k, list_kernels=False):

@@ -10,7 +10,7 @@ still in the L2 cache when its turn comes (as in a model, where each layer
 has its own): the time per GEMM of
   bf16            jnp.dot of x by the bf16 weight (what serving in bf16 does)
   w4a16 handler   jax_nvfp4's weight-only GEMM, the weight decoded in
-                  registers (backends/weight_only.py, path "handler")
+                  registers (backends/w4a16_gemm.py, path "handler")
   w4a16 decoded   the same product by the weight decoded to bf16 per call and
                   the cuBLASLt GEMM (path "cublaslt")
   w4a4            matmul(quantize(x), w): the activations quantized as in
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from common import argument_parser, header, parse_shape, write_json
 
 import jax_nvfp4 as nv
-from jax_nvfp4.backends import weight_only
+from jax_nvfp4.backends import w4a16_gemm
 
 
 def looped(product, iters):
@@ -75,7 +75,7 @@ def main(argv=None):
     print(header())
 
     def w4a16(path):
-        return lambda x, w: weight_only.matmul_w4a16(
+        return lambda x, w: w4a16_gemm.matmul_w4a16(
             x, w.codes, w.scales, w.amax, jnp.bfloat16, path=path
         )
 
@@ -86,7 +86,7 @@ def main(argv=None):
         "w4a4": lambda x, w: nv.matmul(nv.quantize(x), w[0]),
         "matmul": lambda x, w: nv.matmul(x, w[0]),
     }
-    if not weight_only.handler_supported(256, 2):  # e.g. on the CPU
+    if not w4a16_gemm.handler_supported(256, 2):  # e.g. on the CPU
         for name in ("w4a16 handler", "w4a16 decoded"):
             del products[name]
     results = []

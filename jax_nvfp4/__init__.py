@@ -9,9 +9,10 @@ stochastic rounding. The work is done by XLA FFI custom calls on CPU and CUDA;
 selection by ``jax_nvfp4.policy``.
 """
 
-from jax_nvfp4 import checkpoint, policy, reference
+from jax_nvfp4 import checkpoint, config, policy, reference
 from jax_nvfp4.backends import export_safety_checks
 from jax_nvfp4.backends.library import MissingHandlersWarning, available_platforms
+from jax_nvfp4.dot import dot, dot_general
 from jax_nvfp4.format import (
     BLOCK_SIZE,
     E2M1_MAX,
@@ -20,15 +21,14 @@ from jax_nvfp4.format import (
     SCALE_RANGE,
     NVFP4Tensor,
 )
-from jax_nvfp4.grouped import ragged_dot
 from jax_nvfp4.matmul import matmul
-from jax_nvfp4.projection import dot, dot_general
 from jax_nvfp4.quantize import (
     dequantize,
     global_amax,
     quantize,
     quantize_rowwise_and_columnwise,
 )
+from jax_nvfp4.ragged_dot import ragged_dot
 from jax_nvfp4.recipe import (
     BF16,
     NVFP4,
@@ -73,6 +73,7 @@ __all__ = [
     "quantize",
     "quantize_rowwise_and_columnwise",
     "checkpoint",
+    "config",
     "policy",
     "reference",
 ]

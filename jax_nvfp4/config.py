@@ -1,72 +1,146 @@
-"""Every ``JAX_NVFP4_*`` environment switch, read in one place.
+"""The library's configuration: which GEMM implementations it may choose.
 
-``JAX_NVFP4_FFI_LIBRARY`` (unset): load the CPU handlers from this shared
-    library (the Bazel target ``//:jax_nvfp4_cpu``) instead of the extension
-    ``jax_nvfp4._ffi``. Read once, when the first primitive is defined.
-``JAX_NVFP4_IMPLEMENTATION`` (``auto``): which implementation the primitives
-    lower to. ``auto``: the compiled handlers where they were built, else the
-    pure-JAX twin (``jax_nvfp4.reference``) with a ``MissingHandlersWarning``
-    saying why and how to fix it; ``reference``: the twin everywhere, on
-    purpose, without a warning; ``native``: the compiled handlers, and an
-    error where a platform has none. Read once, when the first primitive is
-    defined (at import).
-``JAX_NVFP4_NATIVE_GEMM`` (on): the native Blackwell FP4 GEMM on GPUs with FP4
-    tensor cores. Read when a computation is lowered.
-``JAX_NVFP4_CUBLASLT_GEMM`` (on): the cuBLASLt bf16 GEMM with alpha in its
-    epilogue on other GPUs; off: XLA's bf16 GEMM. Read when lowered.
-``JAX_NVFP4_GEMM_GRAPHS`` (on): declare that GEMM safe for XLA's command
-    buffers (CUDA graphs). Read when lowered.
-``JAX_NVFP4_GROUPED_GEMM`` (on): ``ragged_dot``'s grouped GEMM by the CUDA
-    handler on GPUs; off: XLA's ``ragged_dot_general`` on the same decoded
-    operands (which XLA expands to a masked dense GEMM). Read when traced.
-``JAX_NVFP4_W4A16_GEMM`` (on): ``matmul`` of bfloat16 activations by an
-    NVFP4 weight through the CUDA handler that decodes the weight in
-    registers, for few rows; off: the decoded weight and a bf16 GEMM. Read
-    when traced.
-``JAX_NVFP4_DECODED_OPERANDS`` (on): on the cuBLASLt bf16 path, the fused
-    quantize writes the GEMM's bfloat16 operands instead of codes. Read when
-    traced.
+``settings()`` is the configuration in effect: the ``JAX_NVFP4_*`` environment
+switches below, read once when jax_nvfp4 is imported, with any ``override``
+scopes applied over them. The scope is part of what JAX caches on (it is a
+``jax.make_user_context``), so a function jitted inside ``override(...)`` is
+traced and compiled again for that configuration, not served from another's
+cache::
+
+    with jax_nvfp4.config.override(grouped_gemm=False):
+        y = step(params, batch)   # ragged_dot's GEMM by XLA, traced anew
+
+Only ``jax_nvfp4.ops.dispatch`` (which chooses every GEMM) reads the settings.
+
+Settings (environment variable, default):
+
+``native_gemm`` (``JAX_NVFP4_NATIVE_GEMM``, on): the native FP4 GEMMs
+    (dense and grouped) on GPUs with FP4 tensor cores.
+``cublaslt_gemm`` (``JAX_NVFP4_CUBLASLT_GEMM``, on): the cuBLASLt bf16 GEMM
+    with alpha in its epilogue on other GPUs; off: XLA's bf16 GEMM.
+``gemm_graphs`` (``JAX_NVFP4_GEMM_GRAPHS``, on): that GEMM declared safe for
+    XLA's command buffers (CUDA graphs).
+``grouped_gemm`` (``JAX_NVFP4_GROUPED_GEMM``, on): ``ragged_dot``'s grouped
+    GEMM by the CUDA handler on GPUs; off: XLA's ``ragged_dot_general`` on the
+    same decoded operands (which XLA expands to a masked dense GEMM).
+``w4a16_gemm`` (``JAX_NVFP4_W4A16_GEMM``, on): ``matmul`` of bfloat16
+    activations by an NVFP4 weight through the CUDA handler that decodes the
+    weight in registers, for few rows; off: the decoded weight and a bf16 GEMM.
+``decoded_operands`` (``JAX_NVFP4_DECODED_OPERANDS``, on): where the GEMM
+    reads decoded bfloat16 operands, the fused quantize writes them instead of
+    codes (same values).
+
+Read elsewhere: ``JAX_NVFP4_IMPLEMENTATION`` (``auto``): which implementation
+the primitives lower to. ``auto``: the compiled handlers where they were
+built, else the pure-JAX twin (``jax_nvfp4.reference``) with a
+``MissingHandlersWarning`` saying why and how to fix it; ``reference``: the
+twin everywhere, on purpose, without a warning; ``native``: the compiled
+handlers, and an error where a platform has none. Read once, when the first
+primitive is defined (at import). ``JAX_NVFP4_FFI_LIBRARY`` (unset): load the
+CPU handlers from this shared library (the Bazel target ``//:jax_nvfp4_cpu``)
+instead of the extension ``jax_nvfp4._ffi``; read at import.
 ``JAX_NVFP4_CUBLASLT`` (unset): the libcublasLt to load; read by the C++
-    loader (``ffi/gemm/cublaslt.cu``) at the first GEMM call.
+loader at the first GEMM call. ``JAX_NVFP4_CPU_KERNELS``: read by the C++ CPU
+handlers.
 
 On/off switches take ``1``/``true``/``on``/``yes`` and ``0``/``false``/``off``/
-``no`` (any case, surrounding spaces ignored); unset, empty or anything else
-keeps the default. Set them before the computation they affect is lowered or
-traced.
+``no`` (any case, surrounding spaces ignored); unset or empty keeps the
+default; any other value is an error at import.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+from collections.abc import Iterator
 
-__all__ = ["IMPLEMENTATIONS", "SWITCHES", "enabled", "ffi_library", "implementation"]
+import jax
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "SWITCHES",
+    "Settings",
+    "ffi_library",
+    "implementation",
+    "override",
+    "settings",
+]
 
 # Values of JAX_NVFP4_IMPLEMENTATION.
 IMPLEMENTATIONS = ("auto", "reference", "native")
 
-# On/off switches and their defaults.
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Which GEMM implementations the dispatcher may choose (see the module
+    docstring for each field)."""
+
+    native_gemm: bool = True
+    cublaslt_gemm: bool = True
+    gemm_graphs: bool = True
+    grouped_gemm: bool = True
+    w4a16_gemm: bool = True
+    decoded_operands: bool = True
+
+
+# {environment variable: the Settings field it sets}.
 SWITCHES = {
-    "JAX_NVFP4_NATIVE_GEMM": True,
-    "JAX_NVFP4_CUBLASLT_GEMM": True,
-    "JAX_NVFP4_GEMM_GRAPHS": True,
-    "JAX_NVFP4_DECODED_OPERANDS": True,
-    "JAX_NVFP4_GROUPED_GEMM": True,
-    "JAX_NVFP4_W4A16_GEMM": True,
+    "JAX_NVFP4_NATIVE_GEMM": "native_gemm",
+    "JAX_NVFP4_CUBLASLT_GEMM": "cublaslt_gemm",
+    "JAX_NVFP4_GEMM_GRAPHS": "gemm_graphs",
+    "JAX_NVFP4_GROUPED_GEMM": "grouped_gemm",
+    "JAX_NVFP4_W4A16_GEMM": "w4a16_gemm",
+    "JAX_NVFP4_DECODED_OPERANDS": "decoded_operands",
 }
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
 
 
-def enabled(name: str) -> bool:
-    """The current value of the on/off switch ``name`` (a key of ``SWITCHES``)."""
-    if name not in SWITCHES:
-        raise KeyError(f"{name} is not a jax_nvfp4 switch; known: {sorted(SWITCHES)}")
-    value = os.environ.get(name, "").strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    return SWITCHES[name]
+def _from_environment() -> Settings:
+    values = {}
+    for variable, field in SWITCHES.items():
+        value = os.environ.get(variable, "").strip().lower()
+        if value in _ON:
+            values[field] = True
+        elif value in _OFF:
+            values[field] = False
+        elif value:
+            raise ValueError(
+                f"{variable}={os.environ[variable]!r}: use 1/true/on/yes or "
+                "0/false/off/no (or leave it unset for the default)"
+            )
+    return Settings(**values)
+
+
+_DEFAULTS = _from_environment()
+# The overrides in effect, as sorted (field, value) pairs: hashable, so that
+# JAX keys its caches on them.
+_SCOPE = jax.make_user_context(())
+
+
+def settings() -> Settings:
+    """The configuration in effect: the environment's, with the enclosing
+    ``override`` scopes applied (the innermost wins)."""
+    return dataclasses.replace(_DEFAULTS, **dict(_SCOPE.value))
+
+
+@contextlib.contextmanager
+def override(**changes: bool) -> Iterator[Settings]:
+    """A scope with some settings changed, e.g. ``override(grouped_gemm=False)``;
+    yields the settings in effect inside it. Computations traced inside it are
+    cached apart from those traced outside."""
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    for name, value in changes.items():
+        if name not in fields:
+            raise TypeError(
+                f"{name!r} is not a jax_nvfp4 setting; known: {sorted(fields)}"
+            )
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    merged = dict(_SCOPE.value) | changes
+    with _SCOPE(tuple(sorted(merged.items()))):
+        yield settings()
 
 
 def ffi_library() -> str | None:

@@ -7,7 +7,7 @@ primitive's business (``jax_nvfp4.ops.matmul``).
 
 ``matmul(x, w)`` with bfloat16 activations x and an NVFP4 weight w is the
 weight-only GEMM of serving (W4A16): ``out = (A_w / 2688) * sum_k x *
-e2m1(w) s_w`` (``jax_nvfp4.backends.weight_only``).
+e2m1(w) s_w`` (``jax_nvfp4.backends.w4a16_gemm``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4.backends import hopper, weight_only
+from jax_nvfp4.backends import w4a16_gemm
 from jax_nvfp4.format import BLOCK_SIZE, NVFP4Tensor
+from jax_nvfp4.ops import dispatch
 from jax_nvfp4.quantize import implementation_ops
 
 __all__ = ["matmul"]
@@ -53,11 +54,9 @@ def _out_dtype(out_dtype) -> np.dtype:
 
 
 def _weight_only_path(rows: int, k: int, n: int, implementation: str) -> str:
-    if implementation != "ffi" or jax.default_backend() != "gpu":
+    if implementation != "ffi":
         return "xla"
-    if rows <= weight_only.MAX_HANDLER_ROWS and weight_only.handler_supported(k, n):
-        return "handler"
-    return "cublaslt" if hopper.cublaslt_gemm_supported() else "xla"
+    return dispatch.w4a16_path(rows, k, n)
 
 
 def _weight_only(x, w: NVFP4Tensor, out_dtype, implementation):
@@ -88,7 +87,7 @@ def _weight_only(x, w: NVFP4Tensor, out_dtype, implementation):
         raise ValueError(f"x {x.shape} must end in the weight's K={k} (w is [N, K])")
     rows = math.prod(x.shape[:-1])
     path = _weight_only_path(rows, k, n, implementation)
-    out = weight_only.matmul_w4a16(
+    out = w4a16_gemm.matmul_w4a16(
         x.reshape(rows, k),
         w.codes.reshape(n, k // 2),
         w.scales.reshape(n, k // BLOCK_SIZE),

@@ -73,7 +73,8 @@ import qwix
 from flax import linen, nnx
 from qwix._src.utils import flax_util
 
-from jax_nvfp4 import grouped, projection
+from jax_nvfp4.dot import dot_general
+from jax_nvfp4.ragged_dot import ragged_dot
 from jax_nvfp4.recipe import NVFP4, Recipe
 
 __all__ = [
@@ -250,7 +251,7 @@ class NvFp4Provider(qwix.QtProvider):
         if preferred_element_type is not None:
             preferred_element_type = jnp.dtype(preferred_element_type)
         dtype = jnp.result_type(lhs, rhs)
-        return grouped.ragged_dot(
+        return ragged_dot(
             lhs.astype(dtype),
             rhs.astype(dtype),
             group_sizes,
@@ -355,7 +356,7 @@ class NvFp4Provider(qwix.QtProvider):
         key = self._key() if recipe.needs_key else None
         if preferred_element_type is not None:
             preferred_element_type = jnp.dtype(preferred_element_type)
-        return projection.dot_general(
+        return dot_general(
             x,
             w,
             ((tuple(xc), tuple(wc)), ((), ())),

@@ -25,8 +25,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_nvfp4 import ops
 from jax_nvfp4.matmul import matmul
+from jax_nvfp4.ops import dispatch
 from jax_nvfp4.quantize import (
     global_amax,
     implementation_ops,
@@ -115,8 +115,8 @@ BF16 = Recipe(
 def _write_gemm_operands(recipe: Recipe, a: jax.Array) -> bool:
     """Whether the fused quantizations of x and dY write the GEMM operands of
     the outputs that only feed a GEMM -- x's rows, both of dY's -- as decoded
-    NVFP4Tensors instead of codes (``ops.gemm_takes_values``)."""
-    return recipe.implementation == "ffi" and ops.gemm_takes_values(a.dtype)
+    NVFP4Tensors instead of codes (``dispatch.decoded_operands``)."""
+    return recipe.implementation == "ffi" and dispatch.decoded_operands(a.dtype)
 
 
 def _pad_tokens(a: jax.Array, tokens: int) -> jax.Array:

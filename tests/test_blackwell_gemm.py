@@ -16,9 +16,10 @@ import pytest
 from conftest import on_cpu
 from gemm_cases import alpha64, decode64, random_operands
 
+from jax_nvfp4 import config, reference
 from jax_nvfp4 import ops as primitives
-from jax_nvfp4 import reference
-from jax_nvfp4.backends import blackwell, library
+from jax_nvfp4.backends import fp4_gemm, library
+from jax_nvfp4.ops import dispatch
 
 # (batch, M, N, K, b batch, per-item a amax, per-item b amax); M, N, K are odd
 # multiples of 16, so every operand is padded.
@@ -32,12 +33,12 @@ CASES = [
 
 @jax.jit
 def _prepare_arrays(*args):
-    return blackwell.native_operands(*args)[:6]
+    return fp4_gemm.native_operands(*args)[:6]
 
 
-def _prepare(args) -> blackwell.NativeOperands:
+def _prepare(args) -> fp4_gemm.NativeOperands:
     """native_operands, jitted (the arrays; m and n are static)."""
-    return blackwell.NativeOperands(
+    return fp4_gemm.NativeOperands(
         *_prepare_arrays(*args), m=args[0].shape[1], n=args[3].shape[1]
     )
 
@@ -51,7 +52,7 @@ def _unswizzle(flat, rows, cols):
     return np.asarray(flat)[tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4]
 
 
-def _emulate_handler(ops: blackwell.NativeOperands):
+def _emulate_handler(ops: fp4_gemm.NativeOperands):
     """What jax_nvfp4_matmul_fp4_sm100 computes, from exactly its operands, in
     float64 (exact products of <= 12-bit significands): [batch, Mp, Np]."""
     batch, mp, half = ops.a_codes.shape
@@ -135,7 +136,7 @@ def test_handler_accepts_the_prepared_operands(case):
     plan = _extension().plan_fp4_gemm(
         **shapes,
         out=[batch, mp, np_],
-        workspace=[blackwell.workspace_bytes(batch)],
+        workspace=[fp4_gemm.workspace_bytes(batch)],
     )
     shared = ops.b_codes.shape[0] == 1
     head = -(-4 * (batch + 1) // 256) * 256
@@ -152,7 +153,7 @@ def test_handler_accepts_the_prepared_operands(case):
         "a_amax_stride": int(ops.a_amax.shape[0] != 1),
         "b_amax_stride": int(ops.b_amax.shape[0] != 1),
         "workspace_head_bytes": head,
-        "workspace_bytes": blackwell.WORKSPACE_BYTES,
+        "workspace_bytes": fp4_gemm.WORKSPACE_BYTES,
     }
 
 
@@ -220,9 +221,9 @@ def test_matmul_native_slices_the_handler_result(monkeypatch, dtype):
             vmap_method="sequential",
         )
 
-    monkeypatch.setattr(blackwell, "_call_handler", fake_handler)
+    monkeypatch.setattr(fp4_gemm, "_call_handler", fake_handler)
     args = random_operands(4, *CASES[2])
-    got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*args)
+    got = jax.jit(functools.partial(fp4_gemm.matmul_native, dtype=dtype))(*args)
     exact, (a, b, alpha) = _exact(*args)
     assert got.shape == exact.shape and got.dtype == dtype
     want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)
@@ -237,13 +238,13 @@ def test_matmul_native_slices_the_handler_result(monkeypatch, dtype):
 def test_lowers_to_the_custom_call_with_padded_operands():
     args = random_operands(5, *CASES[1])  # batch 3, M=48, N=80, K=112, shared b
     text = (
-        jax.jit(functools.partial(blackwell.matmul_native, dtype=jnp.bfloat16))
+        jax.jit(functools.partial(fp4_gemm.matmul_native, dtype=jnp.bfloat16))
         .lower(*args)
         .as_text()
     )
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1 and "@jax_nvfp4_matmul_fp4_sm100(" in calls[0]
-    workspace = blackwell.workspace_bytes(3)
+    workspace = fp4_gemm.workspace_bytes(3)
     assert (
         "(tensor<3x128x64xui8>, tensor<3x1024xui8>, tensor<3xf32>, "
         "tensor<1x128x64xui8>, tensor<1x1024xui8>, tensor<1xf32>) -> "
@@ -254,12 +255,10 @@ def test_lowers_to_the_custom_call_with_padded_operands():
 def test_empty_problems_skip_the_handler():
     args = random_operands(6, 2, 16, 16, 16, 1, False, False)
     empty_m = (args[0][:, :0], args[1][:, :0], *args[2:])
-    out = blackwell.matmul_native(*empty_m, dtype=jnp.float32)
+    out = fp4_gemm.matmul_native(*empty_m, dtype=jnp.float32)
     assert out.shape == (2, 0, 16)
     zero_k = (args[0][..., :0], args[1][..., :0], args[2], args[3][..., :0])
-    out = blackwell.matmul_native(
-        *zero_k, args[4][..., :0], args[5], dtype=jnp.bfloat16
-    )
+    out = fp4_gemm.matmul_native(*zero_k, args[4][..., :0], args[5], dtype=jnp.bfloat16)
     assert out.shape == (2, 16, 16) and not np.asarray(out, np.float32).any()
 
 
@@ -268,11 +267,11 @@ def test_operand_errors_say_what_to_change():
         7, 2, 16, 16, 32, 2, True, True
     )
     with pytest.raises(ValueError, match="both must be the same multiple of 16"):
-        blackwell.native_operands(
+        fp4_gemm.native_operands(
             a_codes, a_scales, a_amax, b_codes[..., :8], b_scales[..., :1], b_amax
         )
     with pytest.raises(ValueError, match="b's batch must be 1 or a's"):
-        blackwell.native_operands(
+        fp4_gemm.native_operands(
             a_codes,
             a_scales,
             a_amax,
@@ -281,15 +280,15 @@ def test_operand_errors_say_what_to_change():
             jnp.ones(1),
         )
     with pytest.raises(ValueError, match="a_amax must have 1 or 2"):
-        blackwell.native_operands(
+        fp4_gemm.native_operands(
             a_codes, a_scales, jnp.ones(3), b_codes, b_scales, b_amax
         )
     with pytest.raises(TypeError, match="a_scales must be float8_e4m3fn"):
-        blackwell.native_operands(
+        fp4_gemm.native_operands(
             a_codes, a_scales.view(jnp.uint8), a_amax, b_codes, b_scales, b_amax
         )
     with pytest.raises(TypeError, match="dtype must be bfloat16 or float32"):
-        blackwell.matmul_native(
+        fp4_gemm.matmul_native(
             a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=jnp.float16
         )
 
@@ -299,37 +298,37 @@ def _device(platform, capability):
 
 
 def test_native_fp4_supported_on_cpu_is_false():
-    assert not blackwell.native_fp4_supported()
-    assert not blackwell.native_fp4_supported(jax.devices("cpu")[0])
+    assert not fp4_gemm.native_fp4_supported()
+    assert not fp4_gemm.native_fp4_supported(jax.devices("cpu")[0])
     ctx = types.SimpleNamespace(
         platforms=None, module_context=types.SimpleNamespace(platforms=("cpu",))
     )
-    assert not blackwell.native_fp4_supported(ctx)
+    assert not fp4_gemm.native_fp4_supported(ctx)
 
 
 def test_native_fp4_supported_decides_by_capability_and_registration(monkeypatch):
-    registered = {"cuda": frozenset({blackwell.TARGET})}
+    registered = {"cuda": frozenset({fp4_gemm.TARGET})}
     monkeypatch.setattr(library, "registered_targets", lambda: registered)
-    assert blackwell.native_fp4_supported(_device("gpu", "10.0"))
-    assert blackwell.native_fp4_supported(
+    assert fp4_gemm.native_fp4_supported(_device("gpu", "10.0"))
+    assert fp4_gemm.native_fp4_supported(
         [_device("gpu", "10.3"), _device("gpu", "12.0")]
     )
-    assert not blackwell.native_fp4_supported(_device("gpu", "9.0"))
-    assert not blackwell.native_fp4_supported(
+    assert not fp4_gemm.native_fp4_supported(_device("gpu", "9.0"))
+    assert not fp4_gemm.native_fp4_supported(
         [_device("gpu", "10.0"), _device("gpu", "9.0")]
     )
-    assert not blackwell.native_fp4_supported(_device("gpu", None))  # e.g. ROCm
-    assert not blackwell.native_fp4_supported([])
+    assert not fp4_gemm.native_fp4_supported(_device("gpu", None))  # e.g. ROCm
+    assert not fp4_gemm.native_fp4_supported([])
     # Several lowering platforms (export): the portable bf16 GEMM.
     ctx = types.SimpleNamespace(platforms=("cuda", "cpu"), module_context=None)
-    assert not blackwell.native_fp4_supported(ctx)
-    monkeypatch.setenv("JAX_NVFP4_NATIVE_GEMM", "0")
-    assert not blackwell.native_fp4_supported(_device("gpu", "10.0"))
-    monkeypatch.delenv("JAX_NVFP4_NATIVE_GEMM")
+    assert not fp4_gemm.native_fp4_supported(ctx)
+    with config.override(native_gemm=False):  # the dispatcher's switch
+        assert dispatch.dense_path([_device("gpu", "10.0")]) != "native_fp4"
+    assert dispatch.dense_path([_device("gpu", "10.0")]) == "native_fp4"
     monkeypatch.setattr(library, "registered_targets", lambda: {"cuda": frozenset()})
-    assert not blackwell.native_fp4_supported(_device("gpu", "10.0"))
+    assert not fp4_gemm.native_fp4_supported(_device("gpu", "10.0"))
     with pytest.raises(TypeError, match="target must be"):
-        blackwell.native_fp4_supported(3.0)
+        fp4_gemm.native_fp4_supported(3.0)
 
 
 def _blackwell_gpu():
@@ -337,7 +336,7 @@ def _blackwell_gpu():
         gpus = jax.devices("gpu")
     except RuntimeError:
         return None
-    return gpus[0] if gpus and blackwell.native_fp4_supported(gpus) else None
+    return gpus[0] if gpus and fp4_gemm.native_fp4_supported(gpus) else None
 
 
 @pytest.mark.gpu
@@ -349,7 +348,7 @@ def test_native_gemm_on_blackwell_matches_cpu_handler(case, dtype):
         pytest.skip("needs a GPU of compute capability >= 10.0 with the handler built")
     args = random_operands(9, *case)
     on_gpu = [jax.device_put(x, gpu) for x in args]
-    got = jax.jit(functools.partial(blackwell.matmul_native, dtype=dtype))(*on_gpu)
+    got = jax.jit(functools.partial(fp4_gemm.matmul_native, dtype=dtype))(*on_gpu)
     exact, (a, b, alpha) = _exact(*args)
     bound = _float32_bound(a, b, alpha) * 1.01 + np.abs(exact) * 2.0**-23
     want = on_cpu(primitives.matmul, *args, dtype=jnp.float32)
@@ -367,9 +366,9 @@ def _pre_blackwell_gpu_with_handler():
     except RuntimeError:
         return None
     registered = library.registered_targets().get("cuda", frozenset())
-    if not gpus or blackwell.TARGET not in registered:
+    if not gpus or fp4_gemm.TARGET not in registered:
         return None
-    return None if blackwell.native_fp4_supported(gpus[0]) else gpus[0]
+    return None if fp4_gemm.native_fp4_supported(gpus[0]) else gpus[0]
 
 
 @pytest.mark.gpu
@@ -383,9 +382,9 @@ def test_handler_on_an_older_gpu_fails_cleanly():
     args = [jax.device_put(x, gpu) for x in random_operands(10, *CASES[1])]
     with pytest.raises(jax.errors.JaxRuntimeError, match="compute capability 10.0"):
         jax.block_until_ready(
-            jax.jit(functools.partial(blackwell.matmul_native, dtype=jnp.bfloat16))(
+            jax.jit(functools.partial(fp4_gemm.matmul_native, dtype=jnp.bfloat16))(
                 *args
             )
         )
     # The primitive itself keeps the exact bf16 GEMM there.
-    assert not blackwell.native_fp4_supported(gpu)
+    assert not fp4_gemm.native_fp4_supported(gpu)

@@ -4,6 +4,7 @@ realigned token buffer, the group-major scale layout, the handler's plan
 emulation of those launches, run inside ``ragged_dot`` against the exact
 per-group path. The handler itself has not run on Blackwell hardware."""
 
+import importlib
 import types
 
 import jax
@@ -13,9 +14,12 @@ import pytest
 from conftest import outlier_data
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import grouped
-from jax_nvfp4.backends import blackwell, blackwell_grouped, library
+from jax_nvfp4 import config
+from jax_nvfp4.backends import fp4_gemm, fp4_grouped_gemm, library
 from jax_nvfp4.format import E2M1_VALUES
+from jax_nvfp4.ops import dispatch
+
+grouped = importlib.import_module("jax_nvfp4.ragged_dot")
 
 EXT = library.extension()
 needs_ext = pytest.mark.skipif(EXT is None, reason="needs the compiled extension")
@@ -28,19 +32,19 @@ def _e4m3_bytes(rng, shape):
 
 
 def test_group_major_scales_swizzle_each_group():
-    """Group g's [rows, tokens_g / 16] block is blackwell.swizzle_scales of
+    """Group g's [rows, tokens_g / 16] block is fp4_gemm.swizzle_scales of
     its columns, at byte start_g * rows / 16; columns past the groups are
     dropped."""
     rng = np.random.default_rng(0)
     rows, sizes = 256, np.array([128, 0, 384, 256], np.int32)
     cols = sizes.sum() // 16 + 8  # a tail past the groups
     scales = _e4m3_bytes(rng, (rows, cols))
-    got = np.asarray(blackwell_grouped.group_major_scales(scales, jnp.asarray(sizes)))
+    got = np.asarray(fp4_grouped_gemm.group_major_scales(scales, jnp.asarray(sizes)))
     assert got.shape == (rows * cols,)
     start = 0
     for size in sizes:
         block = scales[:, start // 16 : (start + size) // 16]
-        want = np.asarray(blackwell.swizzle_scales(block)) if size else []
+        want = np.asarray(fp4_gemm.swizzle_scales(block)) if size else []
         at = start * rows // 16
         np.testing.assert_array_equal(got[at : at + rows * size // 16], want)
         start += size
@@ -53,10 +57,10 @@ def test_realigned_rows_put_groups_on_tiles():
     padded = jnp.asarray([32, 0, 144, 16], jnp.int32)
     rows = 256  # ragged_dot's buffer: the groups, then unused rows
     buffer = jnp.arange(1, rows + 1, dtype=jnp.int32)
-    src, out_rows = blackwell_grouped.realigned_rows(padded, rows)
+    src, out_rows = fp4_grouped_gemm.realigned_rows(padded, rows)
     assert out_rows % 128 == 0 and out_rows >= 3 * 128
-    moved = np.asarray(blackwell_grouped.take(buffer, src))
-    sizes = np.asarray(blackwell_grouped.aligned_sizes(padded))
+    moved = np.asarray(fp4_grouped_gemm.take(buffer, src))
+    sizes = np.asarray(fp4_grouped_gemm.aligned_sizes(padded))
     np.testing.assert_array_equal(sizes, [128, 0, 256, 128])
     at, old = 0, 0
     for size, aligned in zip(np.asarray(padded), sizes, strict=True):
@@ -162,7 +166,7 @@ def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
 
 
 def _emulated_call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form):
-    """blackwell_grouped._call with the handler replaced by its plan (the
+    """fp4_grouped_gemm._call with the handler replaced by its plan (the
     extension's) and the emulation, on the host."""
 
     def host(*args):
@@ -210,7 +214,7 @@ def test_ragged_dot_on_the_emulated_handler(recipe, monkeypatch):
     monkeypatch.setattr(grouped, "_gemm_form", lambda: grouped.PER_GROUP)
     want = step()
     monkeypatch.setattr(grouped, "_gemm_form", lambda: grouped.NATIVE_FP4)
-    monkeypatch.setattr(blackwell_grouped, "_call", _emulated_call)
+    monkeypatch.setattr(fp4_grouped_gemm, "_call", _emulated_call)
     got = step()
     for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
         a, b = np.asarray(a), np.asarray(b)
@@ -225,14 +229,14 @@ def test_supported_needs_its_target_and_a_blackwell_gpu(monkeypatch):
     2-D native GEMM's, FP4 tensor cores, and JAX_NVFP4_NATIVE_GEMM on."""
     gpu = types.SimpleNamespace(platform="gpu", compute_capability="10.0")
     hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
-    both = {"cuda": frozenset({blackwell.TARGET, blackwell_grouped.TARGET})}
+    both = {"cuda": frozenset({fp4_gemm.TARGET, fp4_grouped_gemm.TARGET})}
     monkeypatch.setattr(library, "registered_targets", lambda: both)
-    assert blackwell_grouped.supported(gpu)
-    assert not blackwell_grouped.supported(hopper)
-    monkeypatch.setenv("JAX_NVFP4_NATIVE_GEMM", "0")
-    assert not blackwell_grouped.supported(gpu)
-    monkeypatch.delenv("JAX_NVFP4_NATIVE_GEMM")
-    only_2d = {"cuda": frozenset({blackwell.TARGET})}
+    assert fp4_grouped_gemm.supported(gpu)
+    assert not fp4_grouped_gemm.supported(hopper)
+    assert dispatch.grouped_path([gpu], on_gpu=True) == "native_fp4"
+    with config.override(native_gemm=False):  # the dispatcher's switch
+        assert dispatch.grouped_path([gpu], on_gpu=True) != "native_fp4"
+    only_2d = {"cuda": frozenset({fp4_gemm.TARGET})}
     monkeypatch.setattr(library, "registered_targets", lambda: only_2d)
-    assert not blackwell_grouped.supported(gpu)
-    assert not blackwell_grouped.supported()  # this process: no CUDA devices
+    assert not fp4_grouped_gemm.supported(gpu)
+    assert not fp4_grouped_gemm.supported()  # this process: no CUDA devices

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_nvfp4.backends.blackwell import swizzle_scales
+from jax_nvfp4.backends.fp4_gemm import swizzle_scales
 
 
 def _by_definition(rows, cols):

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from gemm_cases import CASES, fake_device, random_operands
 
-from jax_nvfp4 import ops, reference
-from jax_nvfp4.backends import blackwell, devices, gemm, hopper, library
+from jax_nvfp4 import config, ops, reference
+from jax_nvfp4.backends import bf16_gemm, devices, fp4_gemm, library
+from jax_nvfp4.ops import dispatch
 
-BOTH = {"cuda": frozenset({hopper.TARGET, blackwell.TARGET})}
+BOTH = {"cuda": frozenset({bf16_gemm.TARGET, fp4_gemm.TARGET})}
 
 
 # --- dispatch ------------------------------------------------------------------
@@ -22,7 +23,7 @@ BOTH = {"cuda": frozenset({hopper.TARGET, blackwell.TARGET})}
 def test_gemm_path_by_capability_registration_and_switch(monkeypatch):
     registered = dict(BOTH)
     monkeypatch.setattr(library, "registered_targets", lambda: registered)
-    path = gemm.gemm_path
+    path = dispatch.dense_path
     assert path([fake_device("gpu", "10.0")]) == "native_fp4"
     assert path([fake_device("gpu", "12.0")]) == "native_fp4"
     assert path([fake_device("gpu", "9.0")]) == "cublaslt_bf16"
@@ -39,35 +40,32 @@ def test_gemm_path_by_capability_registration_and_switch(monkeypatch):
     assert path([fake_device("gpu", "gfx90a")]) == "xla_bf16"
     assert path(jax.devices("cpu")) == "xla_bf16"
     assert path([]) == "xla_bf16"  # lowering for "cuda" without a GPU
-    # The switches, read at each decision.
-    for off in ("0", "false", " OFF ", "no"):
-        monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", off)
+    # The settings in effect, read at each decision.
+    with config.override(cublaslt_gemm=False):
         assert path([fake_device("gpu", "9.0")]) == "xla_bf16"
         assert path([fake_device("gpu", "10.0")]) == "native_fp4"
-    monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "1")
-    monkeypatch.setenv("JAX_NVFP4_NATIVE_GEMM", "0")
-    assert path([fake_device("gpu", "10.0")]) == "cublaslt_bf16"
-    monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "0")
-    assert path([fake_device("gpu", "10.0")]) == "xla_bf16"
-    monkeypatch.delenv("JAX_NVFP4_NATIVE_GEMM")
-    monkeypatch.delenv("JAX_NVFP4_CUBLASLT_GEMM")
+    with config.override(native_gemm=False):
+        assert path([fake_device("gpu", "10.0")]) == "cublaslt_bf16"
+        with config.override(cublaslt_gemm=False):
+            assert path([fake_device("gpu", "10.0")]) == "xla_bf16"
+        assert path([fake_device("gpu", "10.0")]) == "cublaslt_bf16"
     # Handlers that were not built.
-    registered["cuda"] = frozenset({hopper.TARGET})
+    registered["cuda"] = frozenset({bf16_gemm.TARGET})
     assert path([fake_device("gpu", "10.0")]) == "cublaslt_bf16"
-    registered["cuda"] = frozenset({blackwell.TARGET})
+    registered["cuda"] = frozenset({fp4_gemm.TARGET})
     assert path([fake_device("gpu", "9.0")]) == "xla_bf16"
     del registered["cuda"]
     assert path([fake_device("gpu", "9.0")]) == "xla_bf16"
-    assert not hopper.cublaslt_gemm_supported([fake_device("gpu", "9.0")])
+    assert not bf16_gemm.cublaslt_gemm_supported([fake_device("gpu", "9.0")])
 
 
 def test_gemm_path_defaults_to_the_cuda_backend(monkeypatch):
     monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
     monkeypatch.setattr(devices, "cuda_devices", lambda: ())
-    assert gemm.gemm_path() == "xla_bf16"
+    assert dispatch.dense_path() == "xla_bf16"
     monkeypatch.setattr(devices, "cuda_devices", lambda: (fake_device("gpu", "9.0"),))
-    assert gemm.gemm_path() == "cublaslt_bf16"
-    assert hopper.cublaslt_gemm_supported()
+    assert dispatch.dense_path() == "cublaslt_bf16"
+    assert bf16_gemm.cublaslt_gemm_supported()
 
 
 @pytest.mark.parametrize("decoded", [False, True])
@@ -84,19 +82,22 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
 
         return fn
 
-    monkeypatch.setattr(gemm, "gemm_path", lambda: path)
-    monkeypatch.setattr(blackwell, "matmul_native", fake("native_fp4"))
-    monkeypatch.setattr(hopper, "matmul_bf16", fake("cublaslt_bf16"))
+    monkeypatch.setattr(dispatch, "dense_path", lambda: path)
+    monkeypatch.setattr(fp4_gemm, "matmul_native", fake("native_fp4"))
+    monkeypatch.setattr(bf16_gemm, "matmul_bf16", fake("cublaslt_bf16"))
     monkeypatch.setattr(reference, "matmul_dequantize_bf16", fake("xla_bf16"))
     chosen = "cublaslt_bf16" if path == "native_fp4" and decoded else path
     args = [np.zeros(1, np.uint8)] * 6
     if decoded:  # b's codes hold its bfloat16 values
         args[3] = np.zeros(2, jnp.bfloat16)
-    assert gemm.matmul_cuda(*args, dtype=jnp.float32) == chosen
+    assert dispatch.matmul_cuda(*args, dtype=jnp.float32) == chosen
     cuda = library.registered_targets().get("cuda", frozenset())
     options = {
         "native_fp4": {},
-        "cublaslt_bf16": {"decode_handler": hopper.DECODE_TARGET in cuda},
+        "cublaslt_bf16": {
+            "decode_handler": bf16_gemm.DECODE_TARGET in cuda,
+            "graphs": True,
+        },
         "xla_bf16": {},
     }[chosen]
     assert called == [(chosen, 6, np.dtype(np.float32), options)]
@@ -105,7 +106,7 @@ def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
 def test_matmul_cuda_without_a_gpu_is_xla_bf16_gemm(monkeypatch):
     monkeypatch.setattr(devices, "cuda_devices", lambda: ())
     args = random_operands(1, *CASES[3])
-    got = jax.jit(functools.partial(gemm.matmul_cuda, dtype=jnp.float32))(*args)
+    got = jax.jit(functools.partial(dispatch.matmul_cuda, dtype=jnp.float32))(*args)
     want = jax.jit(
         functools.partial(reference.matmul_dequantize_bf16, dtype=jnp.float32)
     )(*args)
@@ -131,19 +132,17 @@ def _custom_calls(text):
 def test_lowers_to_one_handler_call_on_hopper(monkeypatch, case, dtype):
     monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
     monkeypatch.setattr(devices, "cuda_devices", lambda: (fake_device("gpu", "9.0"),))
-    monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS", raising=False)
     batch, m, n, k, b_batch, a_per_item, b_per_item = case
     args = random_operands(2, *case)
-    # JAX_NVFP4_GEMM_GRAPHS=0: the same handler, kept out of CUDA graphs.
-    monkeypatch.setenv("JAX_NVFP4_GEMM_GRAPHS", "0")
-    calls = _custom_calls(_lowered_for_cuda(args, dtype))
-    assert len(calls) == 1 and f"@{hopper.TARGET}(" in calls[0], calls
-    monkeypatch.delenv("JAX_NVFP4_GEMM_GRAPHS")
+    # gemm_graphs off: the same handler, kept out of CUDA graphs.
+    with config.override(gemm_graphs=False):
+        calls = _custom_calls(_lowered_for_cuda(args, dtype))
+    assert len(calls) == 1 and f"@{bf16_gemm.TARGET}(" in calls[0], calls
     text = _lowered_for_cuda(args, dtype)
     calls = _custom_calls(text)
-    assert len(calls) == 1 and f"@{hopper.GRAPH_TARGET}(" in calls[0], calls
+    assert len(calls) == 1 and f"@{bf16_gemm.GRAPH_TARGET}(" in calls[0], calls
     out = "bf16" if dtype == jnp.bfloat16 else "f32"
-    ws = hopper.workspace_bytes(batch)
+    ws = bf16_gemm.workspace_bytes(batch)
     a_n, b_n = (batch if a_per_item else 1), (b_batch if b_per_item else 1)
     assert (
         f"(tensor<{batch}x{m}x{k}xbf16>, tensor<{b_batch}x{n}x{k}xbf16>, "
@@ -152,15 +151,15 @@ def test_lowers_to_one_handler_call_on_hopper(monkeypatch, case, dtype):
     ) in calls[0]
     assert "dot_general" not in text  # the GEMM is the handler's
     # Switched off: XLA's GEMM, no custom call.
-    monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "0")
-    text = _lowered_for_cuda(args, dtype)
+    with config.override(cublaslt_gemm=False):
+        text = _lowered_for_cuda(args, dtype)
     assert not _custom_calls(text) and "dot_general" in text
 
 
 def test_hopper_lowering_decodes_with_the_handler_when_built(monkeypatch):
     """With jax_nvfp4_decode_bf16 built, the two operand decodes are its custom
     calls (bf16 out, the codes' shape with K doubled) ahead of the GEMM's."""
-    targets = {"cuda": BOTH["cuda"] | {hopper.DECODE_TARGET}}
+    targets = {"cuda": BOTH["cuda"] | {bf16_gemm.DECODE_TARGET}}
     monkeypatch.setattr(library, "registered_targets", lambda: targets)
     monkeypatch.setattr(devices, "cuda_devices", lambda: (fake_device("gpu", "9.0"),))
     batch, m, n, k, b_batch, _, _ = CASES[1]
@@ -168,8 +167,8 @@ def test_hopper_lowering_decodes_with_the_handler_when_built(monkeypatch):
         _lowered_for_cuda(random_operands(2, *CASES[1]), jnp.bfloat16)
     )
     assert len(calls) == 3, calls
-    decodes = [c for c in calls if f"@{hopper.DECODE_TARGET}(" in c]
-    assert len(decodes) == 2 and f"@{hopper.GRAPH_TARGET}(" in calls[2]
+    decodes = [c for c in calls if f"@{bf16_gemm.DECODE_TARGET}(" in c]
+    assert len(decodes) == 2 and f"@{bf16_gemm.GRAPH_TARGET}(" in calls[2]
     assert f"-> tensor<{batch}x{m}x{k}xbf16>" in decodes[0]
     assert f"-> tensor<{b_batch}x{n}x{k}xbf16>" in decodes[1]
 
@@ -177,9 +176,9 @@ def test_hopper_lowering_decodes_with_the_handler_when_built(monkeypatch):
 def test_decode_bf16_cuda_checks_shapes():
     codes = jnp.zeros((2, 4, 8), jnp.uint8)
     with pytest.raises(ValueError, match="scales"):
-        hopper.decode_bf16_cuda(codes, jnp.zeros((2, 4, 2), jnp.float8_e4m3fn))
+        bf16_gemm.decode_bf16_cuda(codes, jnp.zeros((2, 4, 2), jnp.float8_e4m3fn))
     with pytest.raises(ValueError, match="multiple of 16"):
-        hopper.decode_bf16_cuda(
+        bf16_gemm.decode_bf16_cuda(
             jnp.zeros((2, 4, 4), jnp.uint8), jnp.zeros((2, 4, 0), jnp.float8_e4m3fn)
         )
 

@@ -1,4 +1,4 @@
-"""ragged_dot's grouped GEMM (backends/grouped_gemm.py): the CUDA handler
+"""ragged_dot's grouped GEMM (backends/bf16_grouped_gemm.py): the CUDA handler
 against its pure-JAX twin, and the twin against a per-group loop.
 
 Integer-valued operands make every float32 sum exact, so results that may
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import has_gpu
 
-from jax_nvfp4.backends import grouped_gemm
+from jax_nvfp4.backends import bf16_grouped_gemm
 
 # Buffer sizes per group (multiples of 16): empty groups, one group past a
 # 128-row tile, groups off tile multiples; rows past the groups at the end.
@@ -61,7 +61,7 @@ def _group_rows(sizes):
 def test_twin_rows_is_a_per_group_loop(case):
     sizes = SIZES[case]
     a, b, s, alpha = _rows_operands(sizes, 48, 40)
-    got = np.asarray(grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=False))
+    got = np.asarray(bf16_grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=False))
     a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
     for g, start, end in _group_rows(sizes):
         want = a32[start:end] @ b32[g].T * np.float32(alpha[g])
@@ -73,7 +73,9 @@ def test_twin_rows_is_a_per_group_loop(case):
 def test_twin_tokens_is_a_per_group_loop(case):
     sizes = SIZES[case]
     a, b, s, alpha = _tokens_operands(sizes, 32, 48)
-    got = np.asarray(grouped_gemm.tokens(a, b, s, alpha, jnp.float32, handler=False))
+    got = np.asarray(
+        bf16_grouped_gemm.tokens(a, b, s, alpha, jnp.float32, handler=False)
+    )
     tokens_a = np.asarray(jnp.swapaxes(a, 1, 2).reshape(-1, 32), np.float32)
     tokens_b = np.asarray(jnp.swapaxes(b, 1, 2).reshape(-1, 48), np.float32)
     for g, size in enumerate(sizes):
@@ -83,7 +85,7 @@ def test_twin_tokens_is_a_per_group_loop(case):
 
 
 needs_handler = pytest.mark.skipif(
-    not (has_gpu() and grouped_gemm.handler_supported()),
+    not (has_gpu() and bf16_grouped_gemm.handler_supported()),
     reason="needs the CUDA grouped GEMM handler on a GPU",
 )
 
@@ -96,10 +98,10 @@ needs_handler = pytest.mark.skipif(
 def test_handler_rows_equals_twin(case, dtype, length, n):
     sizes = SIZES[case]
     a, b, s, alpha = _rows_operands(sizes, length, n, seed=len(case))
-    got = jax.jit(grouped_gemm.rows, static_argnums=(4,), static_argnames="handler")(
-        a, b, s, alpha, dtype, handler=True
-    )
-    want = grouped_gemm.rows(a, b, s, alpha, dtype, handler=False)
+    got = jax.jit(
+        bf16_grouped_gemm.rows, static_argnums=(4,), static_argnames="handler"
+    )(a, b, s, alpha, dtype, handler=True)
+    want = bf16_grouped_gemm.rows(a, b, s, alpha, dtype, handler=False)
     rows = sum(sizes)  # the handler leaves rows past the groups unwritten
     np.testing.assert_array_equal(
         np.asarray(got[:rows], np.float32), np.asarray(want[:rows], np.float32)
@@ -114,10 +116,10 @@ def test_handler_rows_equals_twin(case, dtype, length, n):
 def test_handler_tokens_equals_twin(case, dtype, m, n):
     sizes = SIZES[case]
     a, b, s, alpha = _tokens_operands(sizes, m, n, seed=len(case))
-    got = jax.jit(grouped_gemm.tokens, static_argnums=(4,), static_argnames="handler")(
-        a, b, s, alpha, dtype, handler=True
-    )
-    want = grouped_gemm.tokens(a, b, s, alpha, dtype, handler=False)
+    got = jax.jit(
+        bf16_grouped_gemm.tokens, static_argnums=(4,), static_argnames="handler"
+    )(a, b, s, alpha, dtype, handler=True)
+    want = bf16_grouped_gemm.tokens(a, b, s, alpha, dtype, handler=False)
     np.testing.assert_array_equal(
         np.asarray(got, np.float32), np.asarray(want, np.float32)
     )
@@ -133,8 +135,10 @@ def test_handler_on_real_values_is_within_float32_summation_order():
     a = jax.random.normal(key_a, (sum(sizes) + 16, 2048), jnp.bfloat16)
     b = jax.random.normal(key_b, (len(sizes), 256, 2048), jnp.bfloat16)
     s, alpha = jnp.asarray(sizes, jnp.int32), _alpha(len(sizes))
-    got = np.asarray(grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=True))
-    want = np.asarray(grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=False))
+    got = np.asarray(bf16_grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=True))
+    want = np.asarray(
+        bf16_grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=False)
+    )
     rows = sum(sizes)
     a32 = np.abs(np.asarray(a, np.float32))
     b32 = np.abs(np.asarray(b, np.float32))
@@ -152,7 +156,7 @@ def test_handler_keeps_a_nan_in_its_group():
     sizes = SIZES["unbalanced"]
     a, b, s, alpha = _rows_operands(sizes, 48, 40)
     b = b.at[2, 5, 7].set(jnp.nan)
-    got = np.asarray(grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=True))
+    got = np.asarray(bf16_grouped_gemm.rows(a, b, s, alpha, jnp.float32, handler=True))
     start, end = 48, 48 + 160  # group 2
     assert np.isnan(got[start:end, 5]).all()
     assert np.isfinite(np.delete(got[start:end], 5, 1)).all()
@@ -167,7 +171,7 @@ def test_handler_under_vmap_is_a_loop():
     a2 = jnp.stack([a, a[::-1]])
 
     def rows(x):
-        return grouped_gemm.rows(x, b, s, alpha, jnp.float32, handler=True)
+        return bf16_grouped_gemm.rows(x, b, s, alpha, jnp.float32, handler=True)
 
     got = jax.vmap(rows)(a2)
     for i in range(2):
@@ -180,5 +184,6 @@ def test_handler_refuses_malformed_operands():
     a, b, s, alpha = _rows_operands((16, 16), 48, 40)
     with pytest.raises(Exception, match="grouped_gemm_bf16"):
         jax.ffi.ffi_call(
-            grouped_gemm.TARGET, jax.ShapeDtypeStruct((a.shape[0], 40), jnp.float32)
+            bf16_grouped_gemm.TARGET,
+            jax.ShapeDtypeStruct((a.shape[0], 40), jnp.float32),
         )(a[:, :40], b, s, alpha, tokens=False).block_until_ready()

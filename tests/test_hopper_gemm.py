@@ -1,5 +1,5 @@
 """The cuBLASLt bf16 GEMM handler with alpha in the epilogue
-(jax_nvfp4.backends.hopper).
+(jax_nvfp4.backends.bf16_gemm).
 
 On CPU: the exact bf16 decode; the operands handed to the handler (with the
 custom call replaced by a float64 emulation of its contract); the handler's
@@ -31,8 +31,9 @@ from gemm_cases import (
     random_operands,
 )
 
-from jax_nvfp4 import ops
-from jax_nvfp4.backends import gemm, hopper, library
+from jax_nvfp4 import config, ops
+from jax_nvfp4.backends import bf16_gemm, library
+from jax_nvfp4.ops import dispatch
 
 # --- the operands handed to the handler ------------------------------------------
 
@@ -47,7 +48,7 @@ def test_decode_bf16_is_exact():
     grid_scales = np.broadcast_to(
         scale_bytes[:, None, None], (len(scale_bytes), 256, 1)
     )
-    got = hopper.decode_bf16(
+    got = bf16_gemm.decode_bf16(
         jnp.asarray(grid_codes), jnp.asarray(grid_scales).view(jnp.float8_e4m3fn)
     )
     assert got.dtype == jnp.bfloat16 and got.shape == (len(scale_bytes), 256, 16)
@@ -64,7 +65,7 @@ def test_decode_bf16_cuda_matches_twin(codes_shape):
     code byte with every scale byte (NaN bytes: NaN in both), then random
     codes and scales in shapes whose element count is no multiple of the
     kernel's 8 x 256 x 4 elements per CTA step."""
-    assert hopper.DECODE_TARGET in library.registered_targets()["cuda"]
+    assert bf16_gemm.DECODE_TARGET in library.registered_targets()["cuda"]
     if codes_shape == (256, 256, 8):
         codes = np.broadcast_to(
             np.arange(256, dtype=np.uint8)[None, :, None], codes_shape
@@ -79,15 +80,15 @@ def test_decode_bf16_cuda_matches_twin(codes_shape):
         scales = scales.astype(np.uint8)
     codes = jnp.asarray(codes)
     scales = jnp.asarray(scales).view(jnp.float8_e4m3fn)
-    got = np.asarray(jax.jit(hopper.decode_bf16_cuda)(codes, scales))
-    want = np.asarray(jax.jit(hopper.decode_bf16)(codes, scales))
+    got = np.asarray(jax.jit(bf16_gemm.decode_bf16_cuda)(codes, scales))
+    want = np.asarray(jax.jit(bf16_gemm.decode_bf16)(codes, scales))
     assert got.dtype == want.dtype == jnp.bfloat16 and got.shape == want.shape
     nan = np.isnan(want.astype(np.float32))
     np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
     np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
 
 
-def _emulated_handler(a, b, a_amax, b_amax, dtype):
+def _emulated_handler(a, b, a_amax, b_amax, dtype, *, graphs=True):
     """What jax_nvfp4_matmul_bf16 computes from exactly its operands, in
     float64, rounded as the handler rounds: alpha * acc to float32, then to
     dtype. Checks the operands against the handler's binding."""
@@ -114,9 +115,9 @@ def _emulated_handler(a, b, a_amax, b_amax, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("case", CASES[1:5])
 def test_matmul_bf16_hands_the_handler_its_operands(monkeypatch, case, dtype):
-    monkeypatch.setattr(hopper, "matmul_values", _emulated_handler)
+    monkeypatch.setattr(bf16_gemm, "matmul_values", _emulated_handler)
     args = random_operands(4, *case)
-    got = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*args)
+    got = jax.jit(functools.partial(bf16_gemm.matmul_bf16, dtype=dtype))(*args)
     exact, bound = exact_result(*args)
     assert got.shape == exact.shape and got.dtype == dtype
     assert_within(got, exact, bound, dtype)
@@ -125,22 +126,22 @@ def test_matmul_bf16_hands_the_handler_its_operands(monkeypatch, case, dtype):
 
 
 def test_matmul_bf16_skips_empty_problems(monkeypatch):
-    def fail(*args):
+    def fail(*args, **kwargs):
         raise AssertionError("the handler must not be called")
 
-    monkeypatch.setattr(hopper, "matmul_values", fail)
+    monkeypatch.setattr(bf16_gemm, "matmul_values", fail)
     a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = random_operands(5, *CASES[3])
-    out = hopper.matmul_bf16(
+    out = bf16_gemm.matmul_bf16(
         a_codes[:, :0], a_scales[:, :0], a_amax, b_codes, b_scales, b_amax,
         dtype=jnp.float32,
     )  # fmt: skip
     assert out.shape == (2, 0, 17)
-    out = hopper.matmul_bf16(
+    out = bf16_gemm.matmul_bf16(
         a_codes, a_scales, a_amax, b_codes[:, :0], b_scales[:, :0], b_amax,
         dtype=jnp.bfloat16,
     )  # fmt: skip
     assert out.shape == (2, 33, 0)
-    out = hopper.matmul_bf16(
+    out = bf16_gemm.matmul_bf16(
         a_codes[..., :0], a_scales[..., :0], a_amax,
         b_codes[..., :0], b_scales[..., :0], b_amax, dtype=jnp.bfloat16,
     )  # fmt: skip
@@ -151,15 +152,15 @@ def test_matmul_bf16_skips_empty_problems(monkeypatch):
 def test_matmul_bf16_errors_say_what_to_change():
     args = random_operands(6, *CASES[4])
     with pytest.raises(TypeError, match="dtype must be bfloat16 or float32"):
-        hopper.matmul_bf16(*args, dtype=jnp.float16)
+        bf16_gemm.matmul_bf16(*args, dtype=jnp.float16)
     a_codes, a_scales, a_amax, b_codes, b_scales, b_amax = args
     with pytest.raises(ValueError, match="both must be the same multiple of 16"):
-        hopper.matmul_bf16(
+        bf16_gemm.matmul_bf16(
             a_codes, a_scales, a_amax, b_codes[..., :8], b_scales[..., :1], b_amax,
             dtype=jnp.float32,
         )  # fmt: skip
     with pytest.raises(ValueError, match="b_amax must have 1 or 4"):
-        hopper.matmul_bf16(
+        bf16_gemm.matmul_bf16(
             a_codes, a_scales, a_amax, b_codes, b_scales, b_amax[:2],
             dtype=jnp.float32,
         )  # fmt: skip
@@ -194,7 +195,7 @@ def test_handler_call_plan(b_batch, a_amax, b_amax, calls, call_batch, call_m):
         a_amax=[a_amax],
         b_amax=[b_amax],
         out=[batch, m, n],
-        workspace=[hopper.workspace_bytes(batch)],
+        workspace=[bf16_gemm.workspace_bytes(batch)],
     )
     assert plan == {
         "batch": batch,
@@ -268,7 +269,7 @@ def _bf16_gemm_gpu():
         gpus = jax.devices("gpu")
     except RuntimeError:
         gpus = []
-    if not gpus or not hopper.cublaslt_gemm_supported(gpus):
+    if not gpus or not bf16_gemm.cublaslt_gemm_supported(gpus):
         pytest.skip("needs a CUDA GPU of compute capability >= 8.0 with the "
                     "jax_nvfp4_matmul_bf16 handler built")  # fmt: skip
     return gpus[0]
@@ -281,21 +282,21 @@ def test_handler_matches_cpu_handler(case, dtype):
     gpu = _bf16_gemm_gpu()
     args = random_operands(7, *case)
     on_gpu = [jax.device_put(x, gpu) for x in args]
-    got = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*on_gpu)
+    got = jax.jit(functools.partial(bf16_gemm.matmul_bf16, dtype=dtype))(*on_gpu)
     exact, bound = exact_result(*args)
     assert got.shape == exact.shape and got.dtype == dtype
     assert_within(got, exact, bound, dtype)
     want = on_cpu(ops.matmul, *args, dtype=jnp.float32)  # the CPU handler
     assert_within(want, exact, bound, jnp.float32)
     # Run again: the cached algorithm gives the same bytes.
-    again = jax.jit(functools.partial(hopper.matmul_bf16, dtype=dtype))(*on_gpu)
+    again = jax.jit(functools.partial(bf16_gemm.matmul_bf16, dtype=dtype))(*on_gpu)
     np.testing.assert_array_equal(np.asarray(again), np.asarray(got))
 
 
 @pytest.mark.gpu
 def test_primitive_lowers_to_the_handler_on_gpu(monkeypatch):
     gpu = _bf16_gemm_gpu()
-    if gemm.gemm_path([gpu]) != "cublaslt_bf16":
+    if dispatch.dense_path([gpu]) != "cublaslt_bf16":
         pytest.skip("this GPU uses another GEMM (e.g. native FP4)")
     args = [jax.device_put(x, gpu) for x in random_operands(8, *CASES[4])]
 
@@ -303,26 +304,23 @@ def test_primitive_lowers_to_the_handler_on_gpu(monkeypatch):
         return ops.matmul(*xs, dtype=jnp.bfloat16)
 
     text = jax.jit(f).lower(*args).as_text()
-    assert f"@{hopper.GRAPH_TARGET}(" in text  # the graph-safe default
+    assert f"@{bf16_gemm.GRAPH_TARGET}(" in text  # the graph-safe default
     got = jax.jit(f)(*args)
-    monkeypatch.setenv("JAX_NVFP4_CUBLASLT_GEMM", "0")
-
-    def g(*xs):  # a new function: lowered anew, with the switch off
-        return ops.matmul(*xs, dtype=jnp.bfloat16)
-
-    assert hopper.TARGET not in jax.jit(g).lower(*args).as_text()
+    with config.override(cublaslt_gemm=False):  # the same function, lowered anew
+        assert bf16_gemm.TARGET not in jax.jit(f).lower(*args).as_text()
+        xla = jax.jit(f)(*args)
     exact, bound = exact_result(*random_operands(8, *CASES[4]))
     assert_within(got, exact, bound, jnp.bfloat16)
-    assert_within(jax.jit(g)(*args), exact, bound, jnp.bfloat16)
+    assert_within(xla, exact, bound, jnp.bfloat16)
 
 
 def _raw_call(a, b, a_amax, b_amax, out_shape, dtype=jnp.float32):
     """The custom call with operands and result shapes as given."""
     out, _ = jax.ffi.ffi_call(
-        hopper.TARGET,
+        bf16_gemm.TARGET,
         (
             jax.ShapeDtypeStruct(out_shape, dtype),
-            jax.ShapeDtypeStruct((hopper.workspace_bytes(a.shape[0]),), jnp.uint8),
+            jax.ShapeDtypeStruct((bf16_gemm.workspace_bytes(a.shape[0]),), jnp.uint8),
         ),
     )(a, b, a_amax, b_amax)
     return out
@@ -353,7 +351,9 @@ def test_handler_on_empty_problems():
             jax.device_put(x, gpu)
             for x in random_operands(9, 2, 0, 7, 16, 1, False, False)
         ]
-        out = jax.jit(functools.partial(hopper.matmul_bf16, dtype=jnp.bfloat16))(*args)
+        out = jax.jit(functools.partial(bf16_gemm.matmul_bf16, dtype=jnp.bfloat16))(
+            *args
+        )
         assert out.shape == (2, 0, 7)
 
 
@@ -385,10 +385,10 @@ sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np
 import gemm_cases as t
 from jax_nvfp4 import _ffi
-from jax_nvfp4.backends import hopper
+from jax_nvfp4.backends import bf16_gemm
 
 gpu = jax.devices("gpu")[0]
-f = jax.jit(lambda *xs: hopper.matmul_bf16(*xs, dtype=jnp.float32))
+f = jax.jit(lambda *xs: bf16_gemm.matmul_bf16(*xs, dtype=jnp.float32))
 results, alive = [], []  # phase 1's operands stay alive: new addresses below
 for seed, case in enumerate(t.CASES[:3]):
     args = t.random_operands(20 + seed, *case)
@@ -414,7 +414,7 @@ print(json.dumps({{"replay_equal": results, "phase1": phase1,
 @pytest.mark.gpu
 def test_handler_runs_inside_cuda_graph_capture():
     gpu = _bf16_gemm_gpu()
-    if gemm.gemm_path([gpu]) != "cublaslt_bf16":
+    if dispatch.dense_path([gpu]) != "cublaslt_bf16":
         pytest.skip("this GPU uses another GEMM (e.g. native FP4)")
     env = dict(os.environ)
     env.pop("JAX_NVFP4_GEMM_GRAPHS", None)

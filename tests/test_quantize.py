@@ -176,7 +176,7 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
     CUDA kernel's decoded stores) gives exactly decode_bf16 of the codes it
     would have written, the same scales, and the undecoded side unchanged;
     also vmapped (two batch items with their own scales)."""
-    from jax_nvfp4.backends.hopper import decode_bf16
+    from jax_nvfp4.backends.bf16_gemm import decode_bf16
 
     x = _edge_blocks(outlier_data(19, (2, 144, 160), jnp.bfloat16))
     # The edge data is all there: -inf, the subnormal tile, the 1e-30 block.

@@ -12,7 +12,7 @@ from conftest import has_gpu
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import reference
-from jax_nvfp4.backends import hopper, library, weight_only
+from jax_nvfp4.backends import bf16_gemm, library, w4a16_gemm
 from jax_nvfp4.format import NVFP4Tensor
 
 E4M3_ONE, E4M3_TWO = 0x38, 0x40
@@ -118,7 +118,7 @@ def test_handler_plan():
 
 
 needs_handler = pytest.mark.skipif(
-    not (has_gpu() and weight_only.handler_supported(256, 2)),
+    not (has_gpu() and w4a16_gemm.handler_supported(256, 2)),
     reason="needs the CUDA W4A16 handler on a GPU",
 )
 
@@ -126,12 +126,12 @@ needs_handler = pytest.mark.skipif(
 def _paths(x, w, dtype):
     n, k = w.stored_shape
     args = (x, w.codes, w.scales, w.amax, dtype)
-    out = {"xla": weight_only.matmul_w4a16(*args, path="xla")}
+    out = {"xla": w4a16_gemm.matmul_w4a16(*args, path="xla")}
     out["handler"] = jax.jit(
-        lambda *a: weight_only.matmul_w4a16(*a, path="handler"), static_argnums=4
+        lambda *a: w4a16_gemm.matmul_w4a16(*a, path="handler"), static_argnums=4
     )(*args)
-    if hopper.cublaslt_gemm_supported():
-        out["cublaslt"] = weight_only.matmul_w4a16(*args, path="cublaslt")
+    if bf16_gemm.cublaslt_gemm_supported():
+        out["cublaslt"] = w4a16_gemm.matmul_w4a16(*args, path="cublaslt")
     return out
 
 
@@ -176,7 +176,7 @@ def test_handler_is_deterministic():
     w = nv.quantize(jax.random.normal(jax.random.key(5), (8192, 1024)), axis=0)
     args = (x, w.codes, w.scales, w.amax, jnp.float32)
     call = jax.jit(
-        lambda *a: weight_only.matmul_w4a16(*a, path="handler"), static_argnums=4
+        lambda *a: w4a16_gemm.matmul_w4a16(*a, path="handler"), static_argnums=4
     )
     first = np.asarray(call(*args))
     for _ in range(5):
@@ -188,7 +188,7 @@ def test_handler_is_deterministic():
 def test_matmul_dispatch_on_gpu():
     """Few rows take the handler, many the cuBLASLt path, K off 128 the
     cuBLASLt path: all equal the exact sums."""
-    for m, k in [(8, 256), (weight_only.MAX_HANDLER_ROWS + 16, 256), (8, 80)]:
+    for m, k in [(8, 256), (w4a16_gemm.MAX_HANDLER_ROWS + 16, 256), (8, 80)]:
         w = _exact_weight(64, k, seed=k)
         x = _integers((m, k), seed=m)
         got = jax.jit(lambda x, w: nv.matmul(x, w, out_dtype=jnp.float32))(x, w)

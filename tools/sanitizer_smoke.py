@@ -5,17 +5,17 @@
 
 tools/gpu_check.sh --sanitizer runs both, each part (--parts) in a process
 of its own and XLA compiling on one thread (tools/sanitizer_repro.py: the
-sanitizer itself crashes with XLA's parallel compilation). The shapes are small (the tools
-slow kernels down a hundredfold) and odd (partial tiles, k not a multiple of
-16, a batch axis), so that every bounds check and every tail path of the
-kernels runs: the quantize kernels (row-wise, column-wise, 16x16, RHT,
-stochastic rounding, the fused rows + columns with each option set, a NaN
-block on the slow path), the amax passes (plain, RHT, per column), dequantize,
-the GEMM's call plans (shared and per-item operands, bf16 and float32 out),
-the recipe's forward + backward (the fused quantize writing the GEMM's
-operands, the decode of FP4 residuals) and ragged_dot's (the grouped GEMM).
-Runs anywhere; only on a GPU does it exercise the CUDA handlers.
-"""
+sanitizer itself crashes with XLA's parallel compilation). The shapes are
+small (the tools slow kernels down a hundredfold) and odd (partial tiles, k
+not a multiple of 16, a batch axis), so that every bounds check and every
+tail path of the kernels runs: the quantize kernels (row-wise, column-wise,
+16x16, RHT, stochastic rounding, the fused rows + columns with each option
+set, a NaN block on the slow path), the amax passes (plain, RHT, per
+column), dequantize, the GEMM's call plans (shared and per-item operands,
+bf16 and float32 out), the recipe's forward + backward (the fused quantize
+writing the GEMM's operands, the decode of FP4 residuals) and ragged_dot's
+(the grouped GEMM). Runs anywhere; only on a GPU does it exercise the CUDA
+handlers."""
 
 import argparse
 
@@ -103,7 +103,7 @@ def ragged_step(key):
 def grouped_gemms(key):
     """The grouped GEMM handler alone, both forms (no XLA computation around
     it but the call)."""
-    from jax_nvfp4.backends import grouped_gemm
+    from jax_nvfp4.backends import bf16_grouped_gemm
 
     sizes = jnp.array([32, 0, 160, 48], jnp.int32)
     a = jax.random.normal(key, (256, 80), jnp.bfloat16)
@@ -111,27 +111,27 @@ def grouped_gemms(key):
     ta = jax.random.normal(key, (16, 80, 16), jnp.bfloat16)
     tb = jax.random.normal(key, (16, 48, 16), jnp.bfloat16)
     alpha = jnp.ones(4, jnp.float32)
-    handler = grouped_gemm.handler_supported()
+    handler = bf16_grouped_gemm.handler_supported()
     return (
-        grouped_gemm.rows(a, b, sizes, alpha, jnp.bfloat16, handler=handler),
-        grouped_gemm.tokens(ta, tb, sizes, alpha, jnp.float32, handler=handler),
+        bf16_grouped_gemm.rows(a, b, sizes, alpha, jnp.bfloat16, handler=handler),
+        bf16_grouped_gemm.tokens(ta, tb, sizes, alpha, jnp.float32, handler=handler),
     )
 
 
 def w4a16_gemms(key):
     """The weight-only GEMM handler at every row-tile height, partial tiles
     in M and N, K in one slice and in slices of which the last is short."""
-    from jax_nvfp4.backends import weight_only
+    from jax_nvfp4.backends import w4a16_gemm
 
     outs = []
     for k in (512, 2176):
         w = nv.quantize(jax.random.normal(key, (k, 130)), axis=0)
-        path = "handler" if weight_only.handler_supported(k, 130) else "xla"
+        path = "handler" if w4a16_gemm.handler_supported(k, 130) else "xla"
         for m in (1, 17, 40, 100):
             x = jax.random.normal(key, (m, k), jnp.bfloat16)
             for dtype in (jnp.bfloat16, jnp.float32):
                 outs.append(
-                    weight_only.matmul_w4a16(
+                    w4a16_gemm.matmul_w4a16(
                         x, w.codes, w.scales, w.amax, dtype, path=path
                     )
                 )

@@ -21,8 +21,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from jax_nvfp4.equinox.fold import folded_ragged_dot
 from jax_nvfp4.equinox.key_source import _key_words, forward_only
-from jax_nvfp4.fold import folded_ragged_dot
 from jax_nvfp4.recipe import Recipe
 
 __all__ = ["Experts"]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4.fold import trace_classes
+from jax_nvfp4.equinox.fold import trace_classes
 from jax_nvfp4.recipe import Recipe
 
 __all__ = ["keys"]

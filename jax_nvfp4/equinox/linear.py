@@ -10,8 +10,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from jax_nvfp4.equinox.fold import folded_dot
 from jax_nvfp4.equinox.key_source import _key_words, forward_only
-from jax_nvfp4.fold import folded_dot
 from jax_nvfp4.recipe import NVFP4, Recipe
 
 __all__ = ["Linear"]

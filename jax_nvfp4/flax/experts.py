@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_nvfp4 import grouped
 from jax_nvfp4.flax.nnx_layers import RecipeOp, _as_data
+from jax_nvfp4.ragged_dot import ragged_dot
 
 __all__ = ["Experts", "NNXRaggedDot"]
 
@@ -54,7 +54,7 @@ class NNXRaggedDot(RecipeOp):
         preferred_element_type=None,
     ) -> jax.Array:
         del precision  # the recipe fixes the arithmetic
-        return grouped.ragged_dot(
+        return ragged_dot(
             lhs,
             rhs,
             group_sizes,

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4 import projection
+from jax_nvfp4.dot import dot_general
 from jax_nvfp4.recipe import Recipe
 
 DEFAULT_RNG_COLLECTION = "nvfp4"
@@ -43,7 +43,7 @@ def layer_dot_general(
     forward-only product whose gradient says how to give the layer a key."""
     if preferred_element_type is not None:
         preferred_element_type = jnp.dtype(preferred_element_type)
-    return projection.dot_general(
+    return dot_general(
         lhs,
         rhs,
         dimension_numbers,

@@ -4,8 +4,6 @@
 and ``sharding`` helpers. ``jax_nvfp4.reference`` has functions of the same
 names and signatures (the pure-JAX twins)."""
 
-from jax_nvfp4.backends.gemm import gemm_path
-from jax_nvfp4.backends.gemm import takes_values as gemm_takes_values
 from jax_nvfp4.ops.amax import abs_max, abs_max_p, amax, amax_p
 from jax_nvfp4.ops.dequantize import dequantize, dequantize_p
 from jax_nvfp4.ops.matmul import matmul, matmul_p
@@ -31,8 +29,6 @@ __all__ = [
     "dequantize",
     "dequantize_p",
     "fused_writes_values",
-    "gemm_path",
-    "gemm_takes_values",
     "matmul",
     "matmul_p",
     "quantize_cols",

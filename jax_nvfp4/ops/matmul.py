@@ -3,7 +3,7 @@ over two NVFP4 operands (codes, scales, amax each), alpha = (A_a / 2688) *
 (A_b / 2688), float32 accumulation.
 
 Lowerings: the CPU handler (exact products, summed over k in order); on CUDA
-the GEMM that ``backends.gemm`` chooses when the computation is lowered.
+the GEMM that ``ops.dispatch`` chooses when the computation is lowered.
 An operand's codes may instead hold its bfloat16 values e2m1 * scale
 [b, rows, K] (``format.holds_values``): what the fused quantize writes for
 operands that only feed a GEMM on the Hopper path.
@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import reference
-from jax_nvfp4.backends import gemm
 from jax_nvfp4.format import holds_values
-from jax_nvfp4.ops import batching, primitive
+from jax_nvfp4.ops import batching, dispatch, primitive
 from jax_nvfp4.ops.sharding import BATCH, Dim, Layout, per_item
 
 __all__ = ["matmul", "matmul_p"]
@@ -89,7 +88,7 @@ matmul_p = primitive.define(
     _layout,
     multiple=False,
     drop=("dtype",),
-    lowerings={"cuda": gemm.matmul_cuda},
+    lowerings={"cuda": dispatch.matmul_cuda},
     # The CPU handler multiplies codes; decoded operands take the twin there.
     handler_applies=lambda avals: (
         not (holds_values(avals[0]) or holds_values(avals[3]))

@@ -13,7 +13,7 @@ weight_only_gemm.cu) decodes the weight in registers: it reads 4.5 bits per
 weight element and no bfloat16 copy of the weight exists, which is what wins
 at the few rows of x of token-by-token generation. From ``MAX_HANDLER_ROWS``
 rows on, the GEMM is compute-bound and the cuBLASLt bf16 GEMM on the decoded
-weight is faster (``hopper.matmul_values``; the weight decoded by the CUDA
+weight is faster (``bf16_gemm.matmul_values``; the weight decoded by the CUDA
 decode handler, as for training's GEMMs). The twin of both, and the path
 on the CPU: XLA's dot on the decoded weight (exact products, float32 sums in
 XLA's order).
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4 import config, reference
-from jax_nvfp4.backends import devices, hopper, library
+from jax_nvfp4 import reference
+from jax_nvfp4.backends import bf16_gemm, devices, library
 from jax_nvfp4.format import SCALE_RANGE
 
 __all__ = ["MAX_HANDLER_ROWS", "TARGET", "handler_supported", "matmul_w4a16"]
@@ -43,10 +43,8 @@ MAX_HANDLER_ROWS = 64
 
 def handler_supported(k: int, n: int, target: Any = None) -> bool:
     """Whether the CUDA handler takes a weight [N, K]: compiled in,
-    ``JAX_NVFP4_W4A16_GEMM`` on, every device of compute capability >= 8.0,
+    every device of compute capability >= 8.0,
     K a multiple of 128 and N even."""
-    if not config.enabled("JAX_NVFP4_W4A16_GEMM"):
-        return False
     if TARGET not in library.targets_on("cuda") or k % 128 or n % 2:
         return False
     lowered_for = devices.lowering_devices(target)
@@ -88,13 +86,13 @@ def matmul_w4a16(
             vmap_method="sequential",
         )(x, codes, scales, amax)
         return out
-    if path == "cublaslt" and hopper.DECODE_TARGET in library.targets_on("cuda"):
-        w = hopper.decode_bf16_cuda(codes, scales)  # same values, one kernel
+    if path == "cublaslt" and bf16_gemm.DECODE_TARGET in library.targets_on("cuda"):
+        w = bf16_gemm.decode_bf16_cuda(codes, scales)  # same values, one kernel
     else:
         w = reference.decode_bf16(codes[None], scales[None])[0]
     if path == "cublaslt":
         unit = jnp.full((1,), SCALE_RANGE, jnp.float32)  # alpha = amax / 2688
-        return hopper.matmul_values(x[None], w[None], unit, amax, dtype)[0]
+        return bf16_gemm.matmul_values(x[None], w[None], unit, amax, dtype)[0]
     if path != "xla":
         raise ValueError(f"path must be 'handler', 'cublaslt' or 'xla', got {path!r}")
     acc = jnp.dot(x, w.T, preferred_element_type=jnp.float32)

@@ -2,7 +2,7 @@
 e2m1 * scale values), float32 accumulation, each group's alpha and one
 rounding to the output dtype in the epilogue.
 
-Two forms on the token buffer of ``jax_nvfp4.grouped`` (every group starts at
+Two forms on the token buffer of ``jax_nvfp4.ragged_dot`` (every group starts at
 a multiple of 16 rows; ``sizes`` [G] are the groups' rows there, multiples of
 16):
 
@@ -12,7 +12,7 @@ a multiple of 16 rows; ``sizes`` [G] are the groups' rows there, multiples of
   a[t]^T b[t]; a [items, M, 16] and b [items, N, 16] hold 16 tokens per item
   along their last axis -> [G, M, N].
 
-The CUDA handler ``jax_nvfp4_grouped_gemm_bf16`` (ffi/gemm/grouped_gemm.cu)
+The CUDA handler ``jax_nvfp4_grouped_gemm_bf16`` (ffi/gemm/mma/bf16_grouped_gemm.cu)
 runs each form as one launch that reads the group sizes on the device (no
 host synchronization; safe in CUDA graphs) and never mixes groups in a tile,
 so a NaN stays in its group. Its twin here is ``lax.ragged_dot_general`` on
@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_nvfp4 import config
 from jax_nvfp4.backends import devices, library
 
 __all__ = [
@@ -48,11 +47,9 @@ MIN_CAPABILITY = (8, 0)  # bf16 mma.sync (Ampere and later)
 
 def handler_supported(target: Any = None) -> bool:
     """Whether the CUDA handler serves the grouped GEMM: compiled in,
-    ``JAX_NVFP4_GROUPED_GEMM`` on, every device of compute capability >= 8.0.
+    every device of compute capability >= 8.0.
     ``target`` as in ``devices.lowering_devices`` (None: this process's CUDA
     devices; without any, the twin runs)."""
-    if not config.enabled("JAX_NVFP4_GROUPED_GEMM"):
-        return False
     if TARGET not in library.targets_on("cuda"):
         return False
     lowered_for = devices.lowering_devices(target)

@@ -6,7 +6,7 @@ through the FFI target ``jax_nvfp4_grouped_gemm_fp4_sm100``
 (``ffi/gemm/fp4_grouped_gemm.cu``): one handler that reads the group sizes back to
 the host and launches one cuBLASLt block-scaled FP4 GEMM per non-empty group
 (``ffi/gemm/fp4_grouped_gemm_plan.h``). Its forms are those of
-``backends/grouped_gemm.py``: rows (FPROP, DGRAD) and tokens (WGRAD).
+``backends/bf16_grouped_gemm.py``: rows (FPROP, DGRAD) and tokens (WGRAD).
 
 Each launch takes a slice of the token buffer, so every group must start at
 a multiple of 128 rows (tokens), a whole tile of cuBLASLt's block-scale
@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4.backends import blackwell, library
+from jax_nvfp4.backends import fp4_gemm, library
 from jax_nvfp4.backends.operands import check_dtype, round_up, workspace_bytes
 
 __all__ = [
@@ -65,10 +65,10 @@ _BLOCK = 16
 def supported(target: Any = None) -> bool:
     """Whether ``ragged_dot`` can use the native grouped FP4 GEMM: the
     handler is compiled in and the native FP4 GEMM is supported for
-    ``target`` (``blackwell.native_fp4_supported``)."""
+    ``target`` (``fp4_gemm.native_fp4_supported``)."""
     if TARGET not in library.targets_on("cuda"):
         return False
-    return blackwell.native_fp4_supported(target)
+    return fp4_gemm.native_fp4_supported(target)
 
 
 def _starts(sizes: jax.Array) -> jax.Array:
@@ -128,7 +128,7 @@ def group_major_scales(scales: jax.Array, sizes: jax.Array) -> jax.Array:
 
     ``sizes`` [G]: the groups' tokens, multiples of 128, in order. Group g's
     columns, a [rows, sizes[g] / 16] matrix, are swizzled on their own
-    (``blackwell.swizzle_scales``) and placed at byte start_g * rows / 16;
+    (``fp4_gemm.swizzle_scales``) and placed at byte start_g * rows / 16;
     columns past the groups are dropped.
     """
     rows, cols = scales.shape
@@ -166,11 +166,11 @@ def rows_operands(a_codes, a_scales, b_codes, b_scales):
         raise ValueError(f"the buffer must have a multiple of 128 rows, got {r}")
     k = 2 * half
     n = b_codes.shape[1]
-    kp, np_ = round_up(k, blackwell.K_TILE), round_up(n, blackwell.ROW_TILE)
+    kp, np_ = round_up(k, fp4_gemm.K_TILE), round_up(n, fp4_gemm.ROW_TILE)
     a = jnp.pad(a_codes, ((0, 0), (0, (kp - k) // 2)))
     b = jnp.pad(b_codes, ((0, 0), (0, np_ - n), (0, (kp - k) // 2)))
-    b_sw = jax.vmap(blackwell.swizzle_scales)(b_scales)
-    return a, blackwell.swizzle_scales(a_scales), b, b_sw.reshape(-1)
+    b_sw = jax.vmap(fp4_gemm.swizzle_scales)(b_scales)
+    return a, fp4_gemm.swizzle_scales(a_scales), b, b_sw.reshape(-1)
 
 
 def tokens_operands(a_codes, a_scales, b_codes, b_scales, sizes):
@@ -183,7 +183,7 @@ def tokens_operands(a_codes, a_scales, b_codes, b_scales, sizes):
 
     def one(codes, scales):
         items, rows = codes.shape[:2]
-        padded = round_up(rows, blackwell.ROW_TILE)
+        padded = round_up(rows, fp4_gemm.ROW_TILE)
         flat = jnp.swapaxes(codes, 0, 1).reshape(rows, items * codes.shape[2])
         flat = jnp.pad(flat, ((0, padded - rows), (0, 0)))
         s = jnp.swapaxes(_bytes(scales), 0, 1).reshape(rows, items)

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4 import config, reference
+from jax_nvfp4 import reference
 from jax_nvfp4.backends import devices, library
 from jax_nvfp4.backends.operands import (
     check_codes_operands,
@@ -66,8 +66,8 @@ decode_bf16 = reference.decode_bf16
 def cublaslt_gemm_supported(target: Sequence[Any] | None = None) -> bool:
     """Whether the matmul primitive can use the cuBLASLt bf16 GEMM handler.
 
-    True when the handler was compiled in, ``JAX_NVFP4_CUBLASLT_GEMM`` is on,
-    and every device has compute capability >= 8.0.
+    True when the handler was compiled in and every device has compute
+    capability >= 8.0.
 
     Args:
       target: the devices lowered for (see ``devices.lowering_devices``); None
@@ -76,8 +76,6 @@ def cublaslt_gemm_supported(target: Sequence[Any] | None = None) -> bool:
         module does not depend on this extension's handler.
     """
     lowered_for = devices.lowering_devices(target)
-    if not config.enabled("JAX_NVFP4_CUBLASLT_GEMM"):
-        return False
     if TARGET not in library.targets_on("cuda"):
         return False
     return devices.all_capable(lowered_for, MIN_CAPABILITY)
@@ -100,13 +98,20 @@ def decode_bf16_cuda(codes: jax.Array, scales: jax.Array) -> jax.Array:
 
 
 def matmul_values(
-    a: jax.Array, b: jax.Array, a_amax: jax.Array, b_amax: jax.Array, dtype
+    a: jax.Array,
+    b: jax.Array,
+    a_amax: jax.Array,
+    b_amax: jax.Array,
+    dtype,
+    *,
+    graphs: bool = True,
 ) -> jax.Array:
     """The cuBLASLt GEMM on values: a bf16 [batch, M, K], b bf16 [1 or batch,
     N, K], the amaxes float32 [1 or batch] -> out [batch, M, N] of dtype (the
-    workspace result is dropped)."""
+    workspace result is dropped). graphs: the target declared safe for XLA's
+    command buffers."""
     batch, m, _ = a.shape
-    target = GRAPH_TARGET if config.enabled("JAX_NVFP4_GEMM_GRAPHS") else TARGET
+    target = GRAPH_TARGET if graphs else TARGET
     out, _ = jax.ffi.ffi_call(
         target,
         (
@@ -127,6 +132,7 @@ def matmul_bf16(
     *,
     dtype: Any,
     decode_handler: bool = False,
+    graphs: bool = True,
 ) -> jax.Array:
     """The matmul primitive on the cuBLASLt bf16 GEMM: out [batch, M, N].
 
@@ -157,4 +163,5 @@ def matmul_bf16(
         jnp.asarray(a_amax, jnp.float32).reshape(-1),
         jnp.asarray(b_amax, jnp.float32).reshape(-1),
         dtype,
+        graphs=graphs,
     )

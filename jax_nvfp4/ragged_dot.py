@@ -22,8 +22,8 @@ Every GEMM sums without scale (alpha = 1) in float32, then multiplies by
 alpha_g = (A_a / 2688) * (A_b / 2688) of the row's (or dw's) group in float32
 and rounds once to the output dtype: the 2-D GEMM's epilogue. On GPUs that sum
 is one grouped launch on the decoded bfloat16 operands (exact products,
-float32 accumulation; ``backends/grouped_gemm.py``); on Blackwell, one native FP4
-GEMM per group on the codes (``backends/blackwell_grouped.py``, the groups
+float32 accumulation; ``backends/bf16_grouped_gemm.py``); on Blackwell, one native FP4
+GEMM per group on the codes (``backends/fp4_grouped_gemm.py``, the groups
 moved to multiples of 128 rows after quantization). On the CPU it is the matmul
 primitive once per group over all rows (other groups' tokens masked), so that
 every sum is the CPU handler's in-order sum and results equal a loop of
@@ -50,10 +50,10 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jax_nvfp4 import config, ops, reference
-from jax_nvfp4.backends import blackwell_grouped, grouped_gemm
+from jax_nvfp4 import ops, reference
+from jax_nvfp4.backends import bf16_grouped_gemm, fp4_grouped_gemm
 from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, is_supported_input_dtype
-from jax_nvfp4.ops import sharding
+from jax_nvfp4.ops import dispatch, sharding
 from jax_nvfp4.quantize import implementation_ops, key_words
 from jax_nvfp4.recipe import (
     MISSING_KEY_MESSAGE,
@@ -73,24 +73,20 @@ _FORCE_RAGGED_GEMM = False
 
 # How the GEMMs run: once per group with the CPU handler's in-order sums
 # (exact reference); as one grouped launch on the decoded operands: the
-# CUDA handler, or its twin (backends/grouped_gemm.py); or, on Blackwell, one
-# native FP4 GEMM per group on the codes (backends/blackwell_grouped.py).
-PER_GROUP, RAGGED_TWIN, GROUPED_HANDLER = "per group", "ragged twin", "handler"
-NATIVE_FP4 = "native fp4"
+# CUDA handler, or its twin (backends/bf16_grouped_gemm.py); or, on Blackwell, one
+# native FP4 GEMM per group on the codes (backends/fp4_grouped_gemm.py).
+PER_GROUP, RAGGED_TWIN, GROUPED_HANDLER = "per_group", "xla_ragged", "bf16_handler"
+NATIVE_FP4 = "native_fp4"
 
 
 def _gemm_form() -> str:
-    if _FORCE_RAGGED_GEMM or jax.default_backend() == "gpu":
-        if blackwell_grouped.supported():
-            return NATIVE_FP4
-        return GROUPED_HANDLER if grouped_gemm.handler_supported() else RAGGED_TWIN
-    return PER_GROUP
+    return dispatch.grouped_path(on_gpu=True if _FORCE_RAGGED_GEMM else None)
 
 
 def _decoded_gemm(gemm: str) -> bool:
     """Whether the GEMMs read decoded bfloat16 operands (so the fused
     quantize may write them decoded)."""
-    return gemm in (RAGGED_TWIN, GROUPED_HANDLER)
+    return dispatch.grouped_decoded_operands(gemm)
 
 
 class _Groups(NamedTuple):
@@ -189,7 +185,6 @@ def _quantize_tokens(
         decoded = (
             ragged
             and recipe.implementation == "ffi"
-            and config.enabled("JAX_NVFP4_DECODED_OPERANDS")
             and ops.fused_writes_values(a.dtype, row_spec, col_spec)
         )
         if decoded:
@@ -290,23 +285,23 @@ def _rows_gemm(a: _Operand, b: _Operand, groups, recipe, gemm, out_dtype):
     count, n = b.values.shape[:2]
     if gemm == NATIVE_FP4:
         # Groups moved to multiples of 128 rows for the native GEMM, and back.
-        src, _ = blackwell_grouped.realigned_rows(
+        src, _ = fp4_grouped_gemm.realigned_rows(
             groups.padded_sizes, groups.buffer_rows
         )
-        out = blackwell_grouped.rows(
-            blackwell_grouped.take(a.values[0], src),
-            blackwell_grouped.take(a.scales[0], src),
+        out = fp4_grouped_gemm.rows(
+            fp4_grouped_gemm.take(a.values[0], src),
+            fp4_grouped_gemm.take(a.scales[0], src),
             a.amax,
             b.values,
             b.scales,
             b.amax,
-            blackwell_grouped.aligned_sizes(groups.padded_sizes),
+            fp4_grouped_gemm.aligned_sizes(groups.padded_sizes),
             out_dtype,
         )
         buffer = jnp.zeros((groups.buffer_rows, n), out.dtype)
         return _from_buffer(buffer.at[src].set(out, mode="drop"), groups)
     if gemm != PER_GROUP:
-        out = grouped_gemm.rows(
+        out = bf16_grouped_gemm.rows(
             reference.operand_bf16(a.values, a.scales)[0],
             reference.operand_bf16(b.values, b.scales),
             groups.padded_sizes,
@@ -340,22 +335,22 @@ def _tokens_gemm(a: _Operand, b: _Operand, groups, recipe, gemm, out_dtype):
     column-wise copy [items, k, 16] times b's [items, n, 16] -> [G, k, n]."""
     count = a.amax.shape[0]
     if gemm == NATIVE_FP4:
-        src, _ = blackwell_grouped.realigned_items(
+        src, _ = fp4_grouped_gemm.realigned_items(
             groups.padded_sizes, a.values.shape[0]
         )
-        take = blackwell_grouped.take
-        return blackwell_grouped.tokens(
+        take = fp4_grouped_gemm.take
+        return fp4_grouped_gemm.tokens(
             take(a.values, src),
             take(a.scales, src),
             a.amax,
             take(b.values, src),
             take(b.scales, src),
             b.amax,
-            blackwell_grouped.aligned_sizes(groups.padded_sizes),
+            fp4_grouped_gemm.aligned_sizes(groups.padded_sizes),
             out_dtype,
         )
     if gemm != PER_GROUP:
-        return grouped_gemm.tokens(
+        return bf16_grouped_gemm.tokens(
             reference.operand_bf16(a.values, a.scales),
             reference.operand_bf16(b.values, b.scales),
             groups.padded_sizes,
@@ -401,7 +396,7 @@ def _plain_rows(a, w, group_sizes, out_dtype=None, *, transpose_w=False):
         a,
         w,
         group_sizes,
-        grouped_gemm.ragged_numbers(1, 2 if transpose_w else 1, [0]),
+        bf16_grouped_gemm.ragged_numbers(1, 2 if transpose_w else 1, [0]),
         preferred_element_type=out_dtype,
     )
 
@@ -491,7 +486,7 @@ def _ragged_bwd(recipe, static, residuals, dy):
             x_saved,
             dy.astype(x_saved.dtype),
             group_sizes,
-            grouped_gemm.ragged_numbers(0, 0, []),
+            bf16_grouped_gemm.ragged_numbers(0, 0, []),
         )
     return dx.astype(in_dtype), dw.astype(in_dtype), None, None
 

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_nvfp4 import grouped
+from jax_nvfp4.dot import dot_general
 from jax_nvfp4.ops import sharding
 from jax_nvfp4.ops.primitive import with_varying
-from jax_nvfp4.projection import dot_general
+from jax_nvfp4.ragged_dot import ragged_dot
 from jax_nvfp4.recipe import Recipe, _explicit_sharding
 
 __all__ = ["folded_dot", "folded_ragged_dot", "trace_classes"]
@@ -169,7 +169,7 @@ def _plain_ragged_dot(recipe: Recipe | None, x, w, group_sizes, kd):
     if recipe is None:
         return jax.lax.ragged_dot(x, w, group_sizes)
     key = kd if recipe.needs_key else None
-    return grouped.ragged_dot(x, w, group_sizes, key=key, recipe=recipe)
+    return ragged_dot(x, w, group_sizes, key=key, recipe=recipe)
 
 
 def folded_ragged_dot(recipe: Recipe | None, x, w, group_sizes, kd):

@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4 import config
 from jax_nvfp4.backends import devices, library
 from jax_nvfp4.backends.operands import (
     WORKSPACE_BYTES,
@@ -187,8 +186,7 @@ def native_fp4_supported(target: Any = None) -> bool:
     """Whether the matmul primitive can use the native FP4 GEMM.
 
     True when the handler was compiled in (``jax_nvfp4_matmul_fp4_sm100`` is a
-    registered CUDA target), ``JAX_NVFP4_NATIVE_GEMM`` is not ``0``, and every
-    target device has compute capability >= 10.0.
+    registered CUDA target) and every target device has compute capability >= 10.0.
 
     Args:
       target: what is lowered for: a lowering rule's context (its platforms
@@ -196,8 +194,6 @@ def native_fp4_supported(target: Any = None) -> bool:
         device, a sequence of devices, or None for the CUDA backend's devices.
     """
     lowered_for = devices.lowering_devices(target)
-    if not config.enabled("JAX_NVFP4_NATIVE_GEMM"):
-        return False
     if TARGET not in library.targets_on("cuda"):
         return False
     return devices.all_capable(lowered_for, MIN_CAPABILITY)

@@ -1,0 +1,164 @@
+"""The one place that chooses how each GEMM runs, from the platform, the
+devices' compute capability, the registered handlers and the settings in
+effect (``jax_nvfp4.config``, read nowhere else).
+
+Dense GEMM (the matmul primitive), chosen when lowered for CUDA
+(``dense_path``):
+
+1. ``"native_fp4"``: the block-scaled FP4 cuBLASLt GEMM (``fp4_gemm``), on
+   GPUs of compute capability >= 10.0;
+2. ``"cublaslt_bf16"``: the exact decode to bfloat16 and one cuBLASLt bf16
+   GEMM with alpha in its epilogue (``bf16_gemm``), from 8.0 on;
+3. ``"xla_bf16"``: the same decode and XLA's bf16 GEMM, alpha after
+   (``reference.matmul_dequantize_bf16``), where neither handler applies.
+
+Grouped GEMM (``ragged_dot``), chosen when traced (``grouped_path``):
+``"per_group"`` (the CPU handler's in-order sums once per group, the exact
+reference), ``"bf16_handler"`` (one grouped launch on the decoded operands,
+``bf16_grouped_gemm``), ``"xla_ragged"`` (XLA's ``ragged_dot_general`` on the
+same operands) or ``"native_fp4"`` (one FP4 GEMM per group on the codes,
+``fp4_grouped_gemm``).
+
+Weight-only GEMM (serving, ``matmul(x_bf16, w_nvfp4)``), chosen when traced
+(``w4a16_path``): ``"handler"`` (the weight decoded in registers,
+``w4a16_gemm``), ``"cublaslt"`` (the decoded weight and the cuBLASLt bf16
+GEMM) or ``"xla"`` (the twin).
+
+Operand form, chosen when traced (``decoded_operands``,
+``grouped_decoded_operands``): whether the fused quantize writes the GEMM's
+bfloat16 operands instead of codes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_nvfp4 import config, reference
+from jax_nvfp4.backends import (
+    bf16_gemm,
+    bf16_grouped_gemm,
+    devices,
+    fp4_gemm,
+    fp4_grouped_gemm,
+    library,
+    w4a16_gemm,
+)
+from jax_nvfp4.format import holds_values
+
+__all__ = [
+    "DENSE",
+    "GROUPED",
+    "W4A16",
+    "decoded_operands",
+    "dense_path",
+    "gemm_graphs",
+    "grouped_decoded_operands",
+    "grouped_path",
+    "matmul_cuda",
+    "w4a16_path",
+]
+
+DENSE = ("native_fp4", "cublaslt_bf16", "xla_bf16")
+GROUPED = ("per_group", "bf16_handler", "xla_ragged", "native_fp4")
+W4A16 = ("handler", "cublaslt", "xla")
+
+
+def dense_path(target: Sequence[Any] | None = None) -> str:
+    """The dense GEMM for these devices (``devices.lowering_devices``; None:
+    the CUDA backend's): one of ``DENSE``."""
+    settings = config.settings()
+    lowered_for = devices.lowering_devices(target)
+    if settings.native_gemm and fp4_gemm.native_fp4_supported(lowered_for):
+        return "native_fp4"
+    if settings.cublaslt_gemm and bf16_gemm.cublaslt_gemm_supported(lowered_for):
+        return "cublaslt_bf16"
+    return "xla_bf16"
+
+
+def gemm_graphs() -> bool:
+    """Whether the cuBLASLt bf16 GEMM runs as the target declared safe for
+    XLA's command buffers."""
+    return config.settings().gemm_graphs
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def decoded_operands(dtype) -> bool:
+    """Whether quantizations that only feed a dense GEMM should write its
+    bfloat16 operands (decoded) instead of codes it would decode right after:
+    on the cuBLASLt bf16 path when the GPU is the default backend, for
+    bfloat16 inputs. Same values either way; it saves the codes' write, their
+    read and the decode kernel."""
+    return (
+        config.settings().decoded_operands
+        and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+        and _on_gpu()
+        and dense_path() == "cublaslt_bf16"
+    )
+
+
+def grouped_path(target: Any = None, *, on_gpu: bool | None = None) -> str:
+    """The grouped GEMM of ``ragged_dot``: one of ``GROUPED``. ``on_gpu``:
+    whether the computation runs on a GPU (default: whether the default
+    backend is one)."""
+    if not (_on_gpu() if on_gpu is None else on_gpu):
+        return "per_group"
+    settings = config.settings()
+    lowered_for = devices.lowering_devices(target)
+    if settings.native_gemm and fp4_grouped_gemm.supported(lowered_for):
+        return "native_fp4"
+    if settings.grouped_gemm and bf16_grouped_gemm.handler_supported(lowered_for):
+        return "bf16_handler"
+    return "xla_ragged"
+
+
+def grouped_decoded_operands(path: str) -> bool:
+    """Whether ``ragged_dot``'s quantizations that only feed the grouped GEMM
+    ``path`` should write its bfloat16 operands instead of codes."""
+    return config.settings().decoded_operands and path in (
+        "bf16_handler",
+        "xla_ragged",
+    )
+
+
+def w4a16_path(rows: int, k: int, n: int, target: Any = None) -> str:
+    """The weight-only GEMM of bf16 x [rows, k] by an NVFP4 weight [n, k]:
+    one of ``W4A16``."""
+    if not _on_gpu():
+        return "xla"
+    settings = config.settings()
+    lowered_for = devices.lowering_devices(target)
+    if (
+        settings.w4a16_gemm
+        and rows <= w4a16_gemm.MAX_HANDLER_ROWS
+        and w4a16_gemm.handler_supported(k, n, lowered_for)
+    ):
+        return "handler"
+    if settings.cublaslt_gemm and bf16_gemm.cublaslt_gemm_supported(lowered_for):
+        return "cublaslt"
+    return "xla"
+
+
+def matmul_cuda(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
+    """The matmul primitive's CUDA lowering body: the GEMM of ``dense_path``.
+    Decoded operands take a bf16 GEMM on any GPU."""
+    path = dense_path()
+    decoded = holds_values(a_codes) or holds_values(b_codes)
+    if path == "cublaslt_bf16" or (path == "native_fp4" and decoded):
+        fn = functools.partial(
+            bf16_gemm.matmul_bf16,
+            decode_handler=bf16_gemm.DECODE_TARGET in library.targets_on("cuda"),
+            graphs=gemm_graphs(),
+        )
+    elif path == "native_fp4":
+        fn = fp4_gemm.matmul_native
+    else:
+        fn = reference.matmul_dequantize_bf16
+    return fn(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=dtype)
