@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_nvfp4.format import NVFP4Tensor
-from jax_nvfp4.recipe import MISSING_KEY_MESSAGE, NVFP4, Recipe, _dot2d
+from jax_nvfp4.recipe import MISSING_KEY_MESSAGE, NVFP4, Recipe
+from jax_nvfp4.recipe.dense import dot2d
 
 __all__ = ["dot", "dot_general"]
 
@@ -62,7 +63,7 @@ def dot(
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"x has K={x.shape[-1]} features but w has {w.shape[0]} rows")
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    out = _dot2d(
+    out = dot2d(
         x2,
         w,
         False,
@@ -235,5 +236,5 @@ def _weight_like(lhs, rhs, lc, rc, **options):
         if not contracting_first:
             rhs = jnp.transpose(rhs, rc_sorted + rhs_free)
         w2, nk = rhs.reshape(k, n), False
-    out = _dot2d(x2, w2, nk, **options)
+    out = dot2d(x2, w2, nk, **options)
     return out.reshape(*free_shape, *features)

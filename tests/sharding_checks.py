@@ -268,12 +268,12 @@ results["shard_map fsdp"] = {
 # --- The bf16 GEMM operands written by the fused quantize (the Hopper path),
 # forced on here: bfloat16 x and w, the same cases against one device with
 # codes (the operands' values are the same; sums in another order). ---------
-from jax_nvfp4 import recipe as recipe_module  # noqa: E402
+from jax_nvfp4.recipe import steps as recipe_steps  # noqa: E402
 
 xb, wb = xd.astype(jnp.bfloat16), wd.astype(jnp.bfloat16)
 (_, yb0), (dxb0, dwb0) = jax.jit(step)(xb, wb)
-codes_decision = recipe_module._write_gemm_operands
-recipe_module._write_gemm_operands = lambda recipe, a: (
+codes_decision = recipe_steps.write_gemm_operands
+recipe_steps.write_gemm_operands = lambda recipe, a: (
     recipe.implementation == "ffi" and a.dtype == jnp.bfloat16
 )
 try:
@@ -321,7 +321,7 @@ try:
         put(wb, mesh, P("data", None)),
     )
 finally:
-    recipe_module._write_gemm_operands = codes_decision
+    recipe_steps.write_gemm_operands = codes_decision
 
 
 # The quantized bytes inside shard_map with axis_name == one device's.

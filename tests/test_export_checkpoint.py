@@ -20,7 +20,7 @@ import jax_nvfp4
 from jax_nvfp4 import NVFP4, Recipe, checkpoint
 from jax_nvfp4.checkpoint import CheckpointError, export_nvfp4, import_nvfp4
 from jax_nvfp4.policy import transformer_policy
-from jax_nvfp4.recipe import _quantize_w
+from jax_nvfp4.recipe.steps import quantize_w
 
 UP = "model.layers.0.mlp.up_proj"
 DOWN = "model.layers.0.mlp.down_proj"
@@ -213,8 +213,8 @@ def test_fp4_bytes_are_training_fprop(tmp_path, dtype, recipe):
     export_nvfp4({UP: w_nk}, tmp_path, nvfp4={UP}, input_amax=AMAX, recipe=recipe)
     tensors, _, _ = read_st(tmp_path / "model.safetensors")
     # FPROP's weight, in the PyTorch orientation and in Flax's [K, N].
-    fprop_nk = _quantize_w(w_nk, recipe, nk=True)[0]
-    fprop_kn = _quantize_w(w_nk.T, recipe, nk=False)[0]
+    fprop_nk = quantize_w(w_nk, recipe, nk=True)[0]
+    fprop_kn = quantize_w(w_nk.T, recipe, nk=False)[0]
     block = "16x16" if recipe.weight_2d else "1x16"
     plain = jax_nvfp4.quantize(w_nk.T, 0, block=block)
     for t in (fprop_nk, fprop_kn, plain):

@@ -11,7 +11,7 @@ import pytest
 from conftest import on_cpu, outlier_data
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import recipe as recipe_module
+from jax_nvfp4.recipe import steps as recipe_steps
 
 
 def _loss(recipe, key):
@@ -56,8 +56,8 @@ def test_recipe_bf16_matches_pure_jax_reference(recipe, operands, monkeypatch):
     if operands != "default":
         forced = operands == "decoded"
         monkeypatch.setattr(
-            recipe_module,
-            "_write_gemm_operands",
+            recipe_steps,
+            "write_gemm_operands",
             lambda r, a: (
                 forced and r.implementation == "ffi" and a.dtype == jnp.bfloat16
             ),

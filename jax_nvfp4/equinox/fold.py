@@ -29,7 +29,8 @@ from jax_nvfp4.dot import dot_general
 from jax_nvfp4.ops import sharding
 from jax_nvfp4.ops.primitive import with_varying
 from jax_nvfp4.ragged_dot import ragged_dot
-from jax_nvfp4.recipe import Recipe, _explicit_sharding
+from jax_nvfp4.recipe import Recipe
+from jax_nvfp4.recipe.steps import explicit_sharding
 
 __all__ = ["folded_dot", "folded_ragged_dot", "trace_classes"]
 
@@ -152,8 +153,8 @@ def _folds(prim, x, w) -> bool:
     return (
         prim is not None
         and _vmap_encloses()
-        and _explicit_sharding(x) is None
-        and _explicit_sharding(w) is None
+        and explicit_sharding(x) is None
+        and explicit_sharding(w) is None
     )
 
 

@@ -1,0 +1,183 @@
+"""The NVFP4 linear-layer training recipe: ``dot(x, w)`` with a custom VJP.
+
+y = x . w with x [..., K] and w [K, N]; leading axes of x are folded into one
+token axis T. The three GEMMs (docs/DESIGN.md, "The linear-layer recipe"):
+
+  FPROP  y  = x  . w    x: 1x16 nearest along K; w: 16x16 along K
+  DGRAD  dx = dy . w^T  dy: 1x16 stochastic along N; w: the same 16x16 values
+  WGRAD  dw = x^T . dy  x and dy along T, RHT on both, dy stochastic
+
+One fused pass quantizes x for FPROP and (column-wise, transformed) for
+WGRAD, and one quantizes w for FPROP and DGRAD; the backward pass keeps the
+FP4 tensors as residuals, never bf16 copies. T is zero-padded to a multiple
+of 16 for the column-wise quantizations (zeros change neither the amax nor
+x^T dy). K and N must be multiples of 16.
+
+``jax_nvfp4.dot`` and every layer reach it through ``dot2d``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_nvfp4.matmul import matmul
+from jax_nvfp4.quantize import (
+    key_words,
+)
+from jax_nvfp4.recipe.presets import Recipe
+from jax_nvfp4.recipe.residuals import OUTPUT, W_RESIDUAL, X_RESIDUAL, named
+from jax_nvfp4.recipe.steps import (
+    MISSING_KEY_MESSAGE,
+    axis_names,
+    bf16_dot,
+    explicit_specs,
+    gemm_dtype,
+    quantize_tokens,
+    quantize_w,
+    refuse_forward_mode,
+)
+
+__all__ = ["dot2d"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dot2(x2, w, words, recipe, static):
+    out, _ = _dot2_fwd(x2, w, words, recipe, static)
+    return out
+
+
+def _dot2_fwd(x2, w, words, recipe, static):
+    """static: (input dtype, output dtype, axis_name, explicit specs, nk: w
+    is [N, K])."""
+    _, out_dtype, axis_name, specs, nk = static
+    tokens = x2.shape[0]
+    x_rows, x_cols = quantize_tokens(
+        x2, recipe, rows=recipe.fprop, cols=recipe.wgrad, axis_name=axis_name
+    )
+    w_along_k, w_along_n = quantize_w(w, recipe, nk)
+    if recipe.fprop:
+        out = matmul(x_rows, w_along_k, out_dtype=gemm_dtype(out_dtype))
+        out = out[:tokens].astype(out_dtype)
+    else:
+        out = bf16_dot(
+            x2,
+            w,
+            specs and specs[2],
+            None if out_dtype == x2.dtype else out_dtype,
+            b_t=nk,
+        )
+    residuals = (
+        named(x_cols, X_RESIDUAL) if recipe.wgrad else x2,
+        named(w_along_n, W_RESIDUAL) if recipe.dgrad else w,
+        words,
+    )
+    return out, residuals
+
+
+def _dot2_bwd(recipe, static, residuals, dy):
+    in_dtype, _, axis_name, specs, nk = static
+    x_saved, w_saved, words = residuals
+    tokens = dy.shape[0]
+    dy_rows, dy_cols = quantize_tokens(
+        dy,
+        recipe,
+        rows=recipe.dgrad,
+        cols=recipe.wgrad,
+        rounding="stochastic" if recipe.stochastic_rounding else "nearest",
+        key=words[0] if recipe.stochastic_rounding else None,
+        axis_name=axis_name,
+        decoded_cols=True,  # dY's column-wise copy feeds WGRAD only
+    )
+    if recipe.dgrad:
+        dx = matmul(dy_rows, w_saved, out_dtype=gemm_dtype(in_dtype))[:tokens]
+    else:
+        dx = bf16_dot(dy.astype(w_saved.dtype), w_saved, specs and specs[0], b_t=not nk)
+    dw_dtype = gemm_dtype(in_dtype)
+    if recipe.wgrad and nk:  # dW [N, K] directly: the operands swapped
+        dw = matmul(dy_cols, x_saved, out_dtype=dw_dtype)
+    elif recipe.wgrad:
+        dw = matmul(x_saved, dy_cols, out_dtype=dw_dtype)
+    elif nk:
+        dw = bf16_dot(dy.astype(x_saved.dtype), x_saved, specs and specs[1], a_t=True)
+    else:
+        dw = bf16_dot(x_saved, dy.astype(x_saved.dtype), specs and specs[1], a_t=True)
+    return dx.astype(in_dtype), dw.astype(in_dtype), None
+
+
+_dot2.defvjp(_dot2_fwd, _dot2_bwd)
+
+
+def _check_operands(x2, w2, nk, recipe):
+    if x2.dtype != w2.dtype:
+        raise TypeError(
+            f"x is {x2.dtype} and w is {w2.dtype}; cast both to one dtype "
+            "(e.g. w.astype(x.dtype))"
+        )
+    n, k = w2.shape if nk else w2.shape[::-1]
+    if (recipe.fprop or recipe.dgrad or recipe.wgrad) and (k % 16 or n % 16):
+        raise ValueError(
+            f"the weight is K={k} by N={n} (contracted by free sizes); NVFP4 "
+            "GEMMs need K and N multiples of 16 — pad the layer or keep it in "
+            "bf16 (recipe=jax_nvfp4.BF16)"
+        )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _forward_only(x2, w2, recipe, static, message):
+    """The recipe's forward pass, which never reads the key (stochastic
+    rounding is for dY only: the same output bits without it); its backward
+    raises ``message``."""
+    words = key_words(None, False, 0)
+    return _dot2(
+        x2, w2, words, dataclasses.replace(recipe, stochastic_rounding=False), static
+    )
+
+
+def _forward_only_fwd(x2, w2, recipe, static, message):
+    return _forward_only(x2, w2, recipe, static, message), None
+
+
+def _forward_only_bwd(recipe, static, message, residuals, dy):
+    raise ValueError(message)
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
+def dot2d(
+    x2,
+    w2,
+    nk,
+    *,
+    key,
+    recipe,
+    preferred_element_type,
+    axis_name,
+    missing_key_message=MISSING_KEY_MESSAGE,
+):
+    """x2 [T, K] . w2 ([K, N], or [N, K] if ``nk``) -> [T, N] by the recipe.
+    Without a key where the recipe needs one, the forward pass runs and
+    differentiating it raises ``missing_key_message``."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"recipe must be a jax_nvfp4.Recipe (e.g. jax_nvfp4.NVFP4), got {recipe!r}"
+        )
+    _check_operands(x2, w2, nk, recipe)
+    refuse_forward_mode(x2, w2)
+    static = (
+        jnp.dtype(x2.dtype),
+        jnp.dtype(preferred_element_type or x2.dtype),
+        tuple(axis_names(axis_name)) or None,
+        explicit_specs(x2, w2, nk),
+        nk,
+    )
+    if recipe.needs_key and key is None:
+        out = _forward_only(x2, w2, recipe, static, missing_key_message)
+    else:
+        out = _dot2(x2, w2, key_words(key, recipe.needs_key, 0), recipe, static)
+    return checkpoint_name(out, OUTPUT)
