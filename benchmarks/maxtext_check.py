@@ -351,10 +351,11 @@ class _CountNvFp4:
 
         self.counts = {"dot_general": 0, "ragged_dot": 0}
         self._saved = []
-        for name in ("dot_general", "ragged_dot"):
+        # The provider's entry points into jax_nvfp4, by the product counted.
+        for name, counted in (("product_general", "dot_general"), ("ragged_dot",) * 2):
             fn = getattr(module, name)
             self._saved.append((module, name, fn))
-            setattr(module, name, self._counting(fn, name))
+            setattr(module, name, self._counting(fn, counted))
         return self
 
     def _counting(self, fn, name):

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from common import argument_parser, header, parse_shape, write_json
 
 import jax_nvfp4 as nv
+from jax_nvfp4.quantize import quantize_shard_rows_cols
 
 REPEAT = 16
 CALLS = 15
@@ -120,14 +121,14 @@ def bench_shape(m, k, list_kernels=False):
     x_options = dict(col_rht=True)
 
     def fused(x, implementation="ffi", **extra):
-        return nv.quantize_rowwise_and_columnwise(
+        return quantize_shard_rows_cols(
             x, key=sr_key, implementation=implementation, **dy_options, **extra
         )
 
     amaxes = [(nv.global_amax(x), nv.global_amax(x, axis=0, rht=True)) for x in xs]
     # The kernels alone: global_amax's values are valid amaxes, so the check
     # of a traced amax against the result (as the recipe does) is skipped.
-    trusted = dict(_amax_trusted=True)
+    trusted = dict(amax_trusted=True)
     with_amaxes = list(zip(xs, amaxes, strict=True))
     # name: (fn, its inputs); the first four are also timed by the trace.
     ops = {
@@ -137,13 +138,13 @@ def bench_shape(m, k, list_kernels=False):
             with_amaxes,
         ),
         "kernel_x": (
-            lambda xa: nv.quantize_rowwise_and_columnwise(
+            lambda xa: quantize_shard_rows_cols(
                 xa[0], **x_options, row_amax=xa[1][0], col_amax=xa[1][1], **trusted
             ),
             with_amaxes,
         ),
         "kernel_2d": (
-            lambda xa: nv.quantize_rowwise_and_columnwise(
+            lambda xa: quantize_shard_rows_cols(
                 xa[0],
                 row_block="16x16",
                 col_block="16x16",

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax_nvfp4.format import NVFP4Tensor
 from jax_nvfp4.recipe import MISSING_KEY_MESSAGE, NVFP4, Recipe
 from jax_nvfp4.recipe.dense import dot2d
+from jax_nvfp4.recipe.steps import check_recipe, recipe_words
 
 __all__ = ["dot", "dot_general"]
 
@@ -62,12 +63,13 @@ def dot(
         )
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"x has K={x.shape[-1]} features but w has {w.shape[0]} rows")
+    check_recipe(recipe)
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     out = dot2d(
         x2,
         w,
         False,
-        key=key,
+        words=recipe_words(key, recipe),
         recipe=recipe,
         preferred_element_type=preferred_element_type,
         axis_name=axis_name,
@@ -155,7 +157,6 @@ def dot_general(
     key: jax.Array | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     out_sharding=None,
-    _missing_key_message: str = MISSING_KEY_MESSAGE,
     **kwargs,
 ) -> jax.Array:
     """A drop-in for ``lax.dot_general`` (Flax's ``dot_general=``,
@@ -178,6 +179,37 @@ def dot_general(
     """
     if kwargs:
         raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+    check_recipe(recipe)
+    return product_general(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision,
+        preferred_element_type,
+        recipe=recipe,
+        words=recipe_words(key, recipe),
+        axis_name=axis_name,
+        out_sharding=out_sharding,
+    )
+
+
+def product_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    recipe: Recipe,
+    words: jax.Array | None,
+    axis_name=None,
+    out_sharding=None,
+    missing_key_message: str = MISSING_KEY_MESSAGE,
+) -> jax.Array:
+    """``dot_general`` after its key became stochastic-rounding words
+    (``recipe.steps.recipe_words``): what the layers call with their own
+    key source's words and their own message for a missing key."""
+    check_recipe(recipe)
     lhs = _as_array(lhs, "lhs", "dot_general")
     rhs = _as_array(rhs, "rhs", "dot_general")
     lc, rc, lb, rb = _parse_dimension_numbers(dimension_numbers, lhs, rhs)
@@ -195,11 +227,11 @@ def dot_general(
             rhs,
             lc,
             rc,
-            key=key,
+            words=words,
             recipe=recipe,
             preferred_element_type=preferred_element_type,
             axis_name=axis_name,
-            missing_key_message=_missing_key_message,
+            missing_key_message=missing_key_message,
         )
     if out_sharding is not None:
         out = jax.lax.with_sharding_constraint(out, out_sharding)

@@ -299,8 +299,6 @@ def quantize(
     amax: jax.Array | None = None,
     stream: int = 0,
     implementation: Implementation = "ffi",
-    _place=None,
-    _amax_trusted: bool = False,
 ) -> NVFP4Tensor:
     """Quantizes x to NVFP4 along ``axis``.
 
@@ -333,6 +331,38 @@ def quantize(
       An ``NVFP4Tensor`` with codes ``[..., L/2]`` and scales ``[..., L/16]``,
       ``...`` being x's shape without ``axis``.
     """
+    return quantize_shard(
+        x,
+        axis,
+        block=block,
+        rounding=rounding,
+        rht=rht,
+        key=key,
+        amax=amax,
+        stream=stream,
+        implementation=implementation,
+    )
+
+
+def quantize_shard(
+    x: jax.Array,
+    axis: int = -1,
+    *,
+    block: Block = "1x16",
+    rounding: Rounding = "nearest",
+    rht: bool = False,
+    key: jax.Array | None = None,
+    amax: jax.Array | None = None,
+    stream: int = 0,
+    implementation: Implementation = "ffi",
+    place=None,
+    amax_trusted: bool = False,
+) -> NVFP4Tensor:
+    """``quantize`` of x as one token shard of a larger tensor, for the
+    recipe: ``place`` = (first row, all rows) offsets the rows of x's
+    [batch, m, k] view, so stochastic-rounding bits follow the whole tensor's
+    index; ``amax_trusted``: the given amax is a reduction over finite values
+    (never invalid), so it is not checked."""
     x = _check_input(x)
     axis = _normalize_axis(axis, x.ndim)
     _check_flag(rht, "rht")
@@ -354,7 +384,7 @@ def quantize(
     )
     impl = implementation_ops(implementation)
     _warn_unused_key(key, spec.stochastic)
-    words = key_words(key, spec.stochastic, _global_size(x, _place))
+    words = key_words(key, spec.stochastic, _global_size(x, place))
     x3, cols = _rank3(x, axis)
     if amax is None:
         if rht:
@@ -363,16 +393,16 @@ def quantize(
             amax = impl.abs_max(x)
         given = _GivenAmax(amax, checked=False)
     else:
-        given = _given_amax(amax, x, trusted=_amax_trusted)
-    origin, place = _placement(_place, x3)
+        given = _given_amax(amax, x, trusted=amax_trusted)
+    origin, placement = _placement(place, x3)
     handler_amax = given.for_handler().reshape(1)
     if cols:
         codes, scales = impl.quantize_cols(
-            x3, handler_amax, words, origin, cols=spec, place=place
+            x3, handler_amax, words, origin, cols=spec, place=placement
         )
     else:
         codes, scales = impl.quantize_rows(
-            x3, handler_amax, words, origin, rows=spec, place=place
+            x3, handler_amax, words, origin, rows=spec, place=placement
         )
     codes, scales, amax = given.mark(codes, scales)
     return _wrap(codes, scales, amax, x.shape, axis, block, rht)
@@ -443,10 +473,6 @@ def quantize_rowwise_and_columnwise(
     row_stream: int = 0,
     col_stream: int = 1,
     implementation: Implementation = "ffi",
-    _place=None,
-    _row_decoded: bool = False,
-    _col_decoded: bool = False,
-    _amax_trusted: bool = False,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Quantizes x [..., M, K] along K (row-wise) and along M (column-wise).
 
@@ -459,13 +485,51 @@ def quantize_rowwise_and_columnwise(
 
     ``row_amax`` / ``col_amax`` are each checked as ``quantize``'s ``amax``
     (an invalid traced one marks its own side only).
-
-    ``_row_decoded`` / ``_col_decoded`` (the recipe's, on the Hopper GEMM
-    path): return that side as a ``decoded`` NVFP4Tensor, its bfloat16 GEMM
-    operand, written by the fused kernel in place of the codes -- for the
-    options that kernel serves (``ops.fused_writes_values``); otherwise both
-    sides come as codes.
     """
+    return quantize_shard_rows_cols(
+        x,
+        row_block=row_block,
+        row_rounding=row_rounding,
+        row_rht=row_rht,
+        col_block=col_block,
+        col_rounding=col_rounding,
+        col_rht=col_rht,
+        key=key,
+        row_amax=row_amax,
+        col_amax=col_amax,
+        row_stream=row_stream,
+        col_stream=col_stream,
+        implementation=implementation,
+    )
+
+
+def quantize_shard_rows_cols(
+    x: jax.Array,
+    *,
+    row_block: Block = "1x16",
+    row_rounding: Rounding = "nearest",
+    row_rht: bool = False,
+    col_block: Block = "1x16",
+    col_rounding: Rounding = "nearest",
+    col_rht: bool = False,
+    key: jax.Array | None = None,
+    row_amax: jax.Array | None = None,
+    col_amax: jax.Array | None = None,
+    row_stream: int = 0,
+    col_stream: int = 1,
+    implementation: Implementation = "ffi",
+    place=None,
+    row_decoded: bool = False,
+    col_decoded: bool = False,
+    amax_trusted: bool = False,
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """``quantize_rowwise_and_columnwise`` for the recipe: ``place`` and
+    ``amax_trusted`` as in ``quantize_shard``; ``row_decoded`` /
+    ``col_decoded`` (where the dispatcher says the GEMM reads bfloat16
+    operands): return that side as a ``decoded`` NVFP4Tensor, its bfloat16
+    GEMM operand, written by the fused kernel in place of the codes -- for
+    the options that kernel serves (``ops.fused_writes_values``); otherwise
+    both sides come as codes."""
     x = _check_input(x)
     if x.ndim < 2:
         raise ValueError(
@@ -490,7 +554,7 @@ def quantize_rowwise_and_columnwise(
     impl = implementation_ops(implementation)
     _warn_unused_key(key, row_spec.stochastic or col_spec.stochastic)
     words = key_words(
-        key, row_spec.stochastic or col_spec.stochastic, _global_size(x, _place)
+        key, row_spec.stochastic or col_spec.stochastic, _global_size(x, place)
     )
     x3 = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
 
@@ -503,7 +567,7 @@ def quantize_rowwise_and_columnwise(
             plain = col_amax = impl.abs_max(x)
         col_given = _GivenAmax(col_amax, checked=False)
     else:
-        col_given = _given_amax(col_amax, x, "col_amax", _amax_trusted)
+        col_given = _given_amax(col_amax, x, "col_amax", amax_trusted)
     if row_amax is None:
         if row_rht:
             row_amax = jnp.max(impl.amax(x3, cols=False)[:, 1])
@@ -511,14 +575,14 @@ def quantize_rowwise_and_columnwise(
             row_amax = plain if plain is not None else impl.abs_max(x)
         row_given = _GivenAmax(row_amax, checked=False)
     else:
-        row_given = _given_amax(row_amax, x, "row_amax", _amax_trusted)
+        row_given = _given_amax(row_amax, x, "row_amax", amax_trusted)
 
-    if (_row_decoded or _col_decoded) and ops.fused_writes_values(
+    if (row_decoded or col_decoded) and ops.fused_writes_values(
         x.dtype, row_spec, col_spec
     ):
-        row_spec = dataclasses.replace(row_spec, decoded=_row_decoded)
-        col_spec = dataclasses.replace(col_spec, decoded=_col_decoded)
-    origin, place = _placement(_place, x3)
+        row_spec = dataclasses.replace(row_spec, decoded=row_decoded)
+        col_spec = dataclasses.replace(col_spec, decoded=col_decoded)
+    origin, placement = _placement(place, x3)
     row_codes, row_scales, col_codes, col_scales = impl.quantize_rows_cols(
         x3,
         row_given.for_handler().reshape(1),
@@ -527,7 +591,7 @@ def quantize_rowwise_and_columnwise(
         origin,
         rows=row_spec,
         cols=col_spec,
-        place=place,
+        place=placement,
     )
     row_codes, row_scales, row_amax = row_given.mark(row_codes, row_scales)
     col_codes, col_scales, col_amax = col_given.mark(col_codes, col_scales)

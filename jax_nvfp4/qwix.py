@@ -73,9 +73,10 @@ import qwix
 from flax import linen, nnx
 from qwix._src.utils import flax_util
 
-from jax_nvfp4.dot import dot_general
+from jax_nvfp4.dot import product_general
 from jax_nvfp4.ragged_dot import ragged_dot
 from jax_nvfp4.recipe import NVFP4, Recipe
+from jax_nvfp4.recipe.steps import recipe_words
 
 __all__ = [
     "DEFAULT_RNG_COLLECTION",
@@ -356,15 +357,15 @@ class NvFp4Provider(qwix.QtProvider):
         key = self._key() if recipe.needs_key else None
         if preferred_element_type is not None:
             preferred_element_type = jnp.dtype(preferred_element_type)
-        return dot_general(
+        return product_general(
             x,
             w,
             ((tuple(xc), tuple(wc)), ((), ())),
             None,
             preferred_element_type,
             recipe=recipe,
-            key=key,
-            _missing_key_message=self._missing_key_message(),
+            words=recipe_words(key, recipe),
+            missing_key_message=self._missing_key_message(),
         )
 
     def _fits(self, op_id: str, w, wc, batch: int = 0) -> bool:

@@ -17,6 +17,7 @@ from conftest import assert_same_bytes, on_cpu, outlier_data
 import jax_nvfp4 as nv
 from jax_nvfp4 import ops
 from jax_nvfp4 import reference as ref
+from jax_nvfp4.quantize import quantize_shard_rows_cols
 
 NAN_SCALE = 0x7F
 
@@ -187,7 +188,7 @@ def test_rht_overflow_counts_as_nonfinite(dtype):
         )
         assert_same_bytes(got, want)
         assert (_scale_bytes(got) == NAN_SCALE).any()
-    rows, cols = nv.quantize_rowwise_and_columnwise(x, col_rht=True, _row_decoded=True)
+    rows, cols = quantize_shard_rows_cols(x, col_rht=True, row_decoded=True)
     want_cols = on_cpu(
         functools.partial(nv.quantize, rht=True, implementation="reference"), x, 0
     )
@@ -196,17 +197,17 @@ def test_rht_overflow_counts_as_nonfinite(dtype):
 
 FUSED_OPTIONS = [
     # The recipe's X: rows (FPROP) decoded, the RHT columns (WGRAD) as codes.
-    dict(col_rht=True, _row_decoded=True),
+    dict(col_rht=True, row_decoded=True),
     # dY: stochastic both ways, RHT on the columns, both decoded.
     dict(
         row_rounding="stochastic",
         col_rounding="stochastic",
         col_rht=True,
-        _row_decoded=True,
-        _col_decoded=True,
+        row_decoded=True,
+        col_decoded=True,
     ),
     # W: 16x16 tiles both ways, the column copy decoded.
-    dict(row_block="16x16", col_block="16x16", _col_decoded=True),
+    dict(row_block="16x16", col_block="16x16", col_decoded=True),
     # 16x16 with column RHT (the general tile kernel), codes.
     dict(row_block="16x16", col_block="16x16", col_rht=True),
     # Mixed blocks, RHT on the rows.
@@ -252,7 +253,7 @@ def test_fused_rows_cols_mark_exactly_the_nonfinite_blocks(options):
     x = with_bad_elements(outlier_data(34, (48, 64), jnp.bfloat16))
     stochastic = "stochastic" in options.values()
     key = jax.random.key(5) if stochastic else None
-    fused = functools.partial(nv.quantize_rowwise_and_columnwise, **options)
+    fused = functools.partial(quantize_shard_rows_cols, **options)
     got = jax.jit(lambda x, k: fused(x, key=k))(x, key)
     want = on_cpu(lambda x, k: fused(x, key=k, implementation="reference"), x, key)
     _check_fused(got, want, x, options)
@@ -265,7 +266,7 @@ def test_vmapped_quantize_marks_each_items_blocks(options):
     xs = outlier_data(35, (3, 48, 64), jnp.bfloat16)
     xs = xs.at[1].set(with_bad_elements(xs[1]))
     key = jax.random.key(6) if "stochastic" in options.values() else None
-    fused = functools.partial(nv.quantize_rowwise_and_columnwise, key=key, **options)
+    fused = functools.partial(quantize_shard_rows_cols, key=key, **options)
     got = jax.jit(jax.vmap(fused))(xs)
     for i in range(3):
         want = on_cpu(functools.partial(fused, implementation="reference"), xs[i])
@@ -313,8 +314,8 @@ def test_all_nonfinite_tensor(fill, rht):
             assert (_scale_bytes(t) == NAN_SCALE).all()
             assert not np.asarray(t.codes).any()
             assert np.isnan(np.asarray(nv.dequantize(t, jnp.float32))).all()
-    rows, cols = nv.quantize_rowwise_and_columnwise(
-        x, col_rht=rht, _row_decoded=True, _col_decoded=True
+    rows, cols = quantize_shard_rows_cols(
+        x, col_rht=rht, row_decoded=True, col_decoded=True
     )
     for t in (rows, cols):
         assert float(t.amax) == 0.0 and (_scale_bytes(t) == NAN_SCALE).all()

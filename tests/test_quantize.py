@@ -10,6 +10,7 @@ import pytest
 from conftest import assert_same_bytes, on_cpu, outlier_data
 
 import jax_nvfp4 as nv
+from jax_nvfp4.quantize import quantize_shard_rows_cols
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
@@ -158,17 +159,17 @@ def _edge_blocks(x):
     "options",
     [
         # X's: rows (FPROP's operand) decoded, columns (WGRAD's residual) not.
-        dict(col_rht=True, _row_decoded=True),
+        dict(col_rht=True, row_decoded=True),
         # dY's: both decoded, stochastic rounding, RHT on the columns.
         dict(
             row_rounding="stochastic",
             col_rounding="stochastic",
             col_rht=True,
-            _row_decoded=True,
-            _col_decoded=True,
+            row_decoded=True,
+            col_decoded=True,
         ),
         # 16x16 blocks, the column-wise copy decoded.
-        dict(row_block="16x16", col_block="16x16", _col_decoded=True),
+        dict(row_block="16x16", col_block="16x16", col_decoded=True),
     ],
 )
 def test_fused_decoded_outputs_are_the_decoded_codes(options):
@@ -185,11 +186,11 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
     assert np.any(((bits & 0x7F80) == 0) & ((bits & 0x7FFF) != 0))
     assert bool(jnp.any(x == jnp.bfloat16(1e-30)))
     key = jax.random.key(4)
-    decoded = {k: v for k, v in options.items() if k.startswith("_")}
-    plain = {k: v for k, v in options.items() if not k.startswith("_")}
+    decoded = {k: v for k, v in options.items() if k.endswith("_decoded")}
+    plain = {k: v for k, v in options.items() if not k.endswith("_decoded")}
 
     def both(x, key, **extra):
-        return nv.quantize_rowwise_and_columnwise(
+        return quantize_shard_rows_cols(
             x, key=stochastic_key(key, **plain), **plain, **extra
         )
 
@@ -204,7 +205,7 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
         want,
         got_vmapped,
         want_vmapped,
-        (decoded.get("_row_decoded", False), decoded.get("_col_decoded", False)),
+        (decoded.get("row_decoded", False), decoded.get("col_decoded", False)),
         strict=True,
     ):
         assert g.decoded == gv.decoded == flag
@@ -246,9 +247,7 @@ def test_decoded_request_the_kernel_cannot_serve_gives_codes(options):
     options = dict(options)
     x = outlier_data(23, (64, 96), options.pop("dtype", jnp.bfloat16))
     plain = nv.quantize_rowwise_and_columnwise(x, **options)
-    asked = nv.quantize_rowwise_and_columnwise(
-        x, _row_decoded=True, _col_decoded=True, **options
-    )
+    asked = quantize_shard_rows_cols(x, row_decoded=True, col_decoded=True, **options)
     for t, ref in zip(asked, plain, strict=True):
         assert not t.decoded
         assert_same_bytes(t, ref)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_nvfp4.dot import dot_general
+from jax_nvfp4.dot import product_general
 from jax_nvfp4.ops import sharding
 from jax_nvfp4.ops.primitive import with_varying
 from jax_nvfp4.ragged_dot import ragged_dot
@@ -71,12 +71,12 @@ def _vmap_encloses() -> bool:
 
 def _plain_dot(recipe: Recipe, x: jax.Array, w: jax.Array, kd: jax.Array):
     """x [..., K] . w [N, K]^T: the weight read as stored (no transpose)."""
-    return dot_general(
+    return product_general(
         x,
         w,
         (((x.ndim - 1,), (1,)), ((), ())),
-        key=kd if recipe.needs_key else None,
         recipe=recipe,
+        words=kd.reshape(1, 2),
     )
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jax_nvfp4.equinox.fold import trace_classes
 from jax_nvfp4.recipe import Recipe
+from jax_nvfp4.recipe.steps import recipe_words
 
 __all__ = ["keys"]
 
@@ -120,17 +121,7 @@ def _key_words(
         key = _source_stack()[-1].draw()
     if key is None:
         return jnp.zeros((2,), jnp.uint32) if inference else None
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        data = jax.random.key_data(key)
-        if data.shape[-1:] == (2,) and data.dtype == jnp.uint32:
-            return data
-        return jax.random.bits(key, (2,), jnp.uint32)
-    if key.shape[-1:] != (2,) or key.dtype != jnp.uint32:
-        raise ValueError(
-            "key must be a jax.random.key(...) or a uint32[2] PRNGKey, got "
-            f"{key.dtype}{list(key.shape)}"
-        )
-    return key
+    return recipe_words(key, recipe)[0]
 
 
 def _missing_key_message(layer: str) -> str:

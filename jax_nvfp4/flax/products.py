@@ -5,13 +5,13 @@ calls them through one place."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4.dot import dot_general
+from jax_nvfp4.dot import product_general
 from jax_nvfp4.recipe import Recipe
+from jax_nvfp4.recipe.steps import check_recipe as check_recipe
+from jax_nvfp4.recipe.steps import recipe_words
 
 DEFAULT_RNG_COLLECTION = "nvfp4"
 
@@ -43,24 +43,18 @@ def layer_dot_general(
     forward-only product whose gradient says how to give the layer a key."""
     if preferred_element_type is not None:
         preferred_element_type = jnp.dtype(preferred_element_type)
-    return dot_general(
+    check_recipe(recipe)
+    return product_general(
         lhs,
         rhs,
         dimension_numbers,
         precision,
         preferred_element_type,
         recipe=recipe,
-        key=key,
+        words=recipe_words(key, recipe),
         out_sharding=out_sharding,
-        _missing_key_message=missing_key_message(rng_collection),
+        missing_key_message=missing_key_message(rng_collection),
     )
-
-
-def check_recipe(recipe: Any) -> None:
-    if not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"recipe must be a jax_nvfp4.Recipe (e.g. jax_nvfp4.NVFP4), got {recipe!r}"
-        )
 
 
 def switched_dot_general(

@@ -29,12 +29,12 @@ from jax_nvfp4.matmul import matmul
 from jax_nvfp4.quantize import (
     key_words,
 )
-from jax_nvfp4.recipe.presets import Recipe
 from jax_nvfp4.recipe.residuals import OUTPUT, W_RESIDUAL, X_RESIDUAL, named
 from jax_nvfp4.recipe.steps import (
     MISSING_KEY_MESSAGE,
     axis_names,
     bf16_dot,
+    check_recipe,
     explicit_specs,
     gemm_dtype,
     quantize_tokens,
@@ -154,19 +154,17 @@ def dot2d(
     w2,
     nk,
     *,
-    key,
+    words,
     recipe,
     preferred_element_type,
     axis_name,
     missing_key_message=MISSING_KEY_MESSAGE,
 ):
     """x2 [T, K] . w2 ([K, N], or [N, K] if ``nk``) -> [T, N] by the recipe.
-    Without a key where the recipe needs one, the forward pass runs and
-    differentiating it raises ``missing_key_message``."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"recipe must be a jax_nvfp4.Recipe (e.g. jax_nvfp4.NVFP4), got {recipe!r}"
-        )
+    ``words``: the product's stochastic-rounding words (``recipe_words``);
+    None where the recipe needs a key and there is none: the forward pass
+    runs and differentiating it raises ``missing_key_message``."""
+    check_recipe(recipe)
     _check_operands(x2, w2, nk, recipe)
     refuse_forward_mode(x2, w2)
     static = (
@@ -176,8 +174,8 @@ def dot2d(
         explicit_specs(x2, w2, nk),
         nk,
     )
-    if recipe.needs_key and key is None:
+    if words is None:
         out = _forward_only(x2, w2, recipe, static, missing_key_message)
     else:
-        out = _dot2(x2, w2, key_words(key, recipe.needs_key, 0), recipe, static)
+        out = _dot2(x2, w2, words, recipe, static)
     return checkpoint_name(out, OUTPUT)

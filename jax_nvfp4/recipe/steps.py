@@ -13,8 +13,11 @@ from jax_nvfp4.ops import dispatch
 from jax_nvfp4.quantize import (
     global_amax,
     implementation_ops,
+    key_words,
     quantize,
     quantize_rowwise_and_columnwise,
+    quantize_shard,
+    quantize_shard_rows_cols,
 )
 from jax_nvfp4.recipe.presets import Recipe
 
@@ -95,25 +98,27 @@ def quantize_tokens(
     padded = pad_tokens(a2, a2.shape[0])
     # The amaxes are maxima over the finite |values|, reduced over the
     # shards: never invalid, so quantize need not check them.
-    common = dict(key=key, implementation=impl, _place=place, _amax_trusted=True)
+    common = dict(key=key, implementation=impl, place=place, amax_trusted=True)
     if rows and cols:
         operands = write_gemm_operands(recipe, a2)
-        return quantize_rowwise_and_columnwise(
+        return quantize_shard_rows_cols(
             padded,
             row_rounding=rounding,
             col_rounding=rounding,
             col_rht=recipe.rht,
             row_amax=row_amax,
             col_amax=col_amax,
-            _row_decoded=operands,
-            _col_decoded=operands and decoded_cols,
+            row_decoded=operands,
+            col_decoded=operands and decoded_cols,
             **common,
         )
     along_f = (
-        quantize(a2, -1, rounding=rounding, amax=row_amax, **common) if rows else None
+        quantize_shard(a2, -1, rounding=rounding, amax=row_amax, **common)
+        if rows
+        else None
     )
     along_t = (
-        quantize(
+        quantize_shard(
             padded,
             0,
             rht=recipe.rht,
@@ -198,6 +203,26 @@ def gemm_dtype(dtype):
     float32 directly (rounded once from the float32 accumulator, as a cast
     of the float32 result would be), anything else through float32."""
     return dtype if dtype in (jnp.bfloat16, jnp.float32) else jnp.float32
+
+
+def check_recipe(recipe) -> None:
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"recipe must be a jax_nvfp4.Recipe (e.g. jax_nvfp4.NVFP4), got {recipe!r}"
+        )
+
+
+def recipe_words(key, recipe: Recipe) -> jax.Array | None:
+    """The stochastic-rounding words [1, 2] of a product's key: the one place
+    a key (typed or raw) becomes words, at the public boundary (plain calls
+    and every layer's key source). Zeros when the recipe draws no bits; None
+    when it needs a key and there is none (the product then runs forward
+    only)."""
+    if not recipe.needs_key:
+        return key_words(None, False, 0)
+    if key is None:
+        return None
+    return key_words(key, True, 0)
 
 
 MISSING_KEY_MESSAGE = (
