@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "cuda/fused_quantize_rule.h"
-#include "gemm/bf16_gemm_plan.h"
-#include "gemm/fp4_gemm_plan.h"
-#include "gemm/fp4_grouped_gemm_plan.h"
-#include "gemm/weight_only_gemm_plan.h"
+#include "gemm/cublaslt/bf16_gemm_plan.h"
+#include "gemm/cublaslt/fp4_gemm_plan.h"
+#include "gemm/cublaslt/fp4_grouped_gemm_plan.h"
+#include "gemm/mma/w4a16_gemm_plan.h"
 #include "numerics/scale_layout.h"
 #include "targets.h"
 #include "xla/ffi/api/c_api.h"
@@ -72,7 +72,7 @@ NB_MODULE(_ffi, m) {
       nb::arg("bf16_input"), nb::arg("row_block_rows"), nb::arg("row_rht"),
       nb::arg("col_block_rows"), nb::arg("col_rht"));
   // The Blackwell scale layout's offsets, for tests of the host-side layout
-  // code against jax_nvfp4.backends.blackwell.swizzle_scales.
+  // code against jax_nvfp4.backends.fp4_gemm.swizzle_scales.
   m.def("swizzled_scale_offsets", [](int64_t rows, int64_t cols) {
     std::vector<int64_t> offsets;
     offsets.reserve(rows * cols);
@@ -84,7 +84,7 @@ NB_MODULE(_ffi, m) {
     return offsets;
   });
   // The weight-only GEMM handler's launch plan for x [m, k] and a weight
-  // [n, k]: jax_nvfp4.backends.weight_only sizes the handler's workspace
+  // [n, k]: jax_nvfp4.backends.w4a16_gemm sizes the handler's workspace
   // with it. ValueError with the handler's message for shapes it refuses.
   m.def(
       "plan_w4a16",
@@ -107,7 +107,7 @@ NB_MODULE(_ffi, m) {
       },
       nb::arg("m"), nb::arg("n"), nb::arg("k"));
   // The argument checks of the Blackwell FP4 GEMM handler, for CPU tests of
-  // jax_nvfp4.backends.blackwell.native_operands: the handler's per-item
+  // jax_nvfp4.backends.fp4_gemm.native_operands: the handler's per-item
   // strides, or ValueError with the handler's message.
   m.def(
       "plan_fp4_gemm",
@@ -141,7 +141,7 @@ NB_MODULE(_ffi, m) {
       nb::arg("out"), nb::arg("workspace"));
   // The argument checks and launches of the Blackwell grouped FP4 GEMM
   // handler for host-side group sizes, for CPU tests of
-  // jax_nvfp4.backends.blackwell_grouped: each launch's problem and offsets
+  // jax_nvfp4.backends.fp4_grouped_gemm: each launch's problem and offsets
   // and the zeroed ranges of out, or ValueError with the handler's message.
   m.def(
       "plan_grouped_fp4_gemm",
@@ -221,8 +221,8 @@ NB_MODULE(_ffi, m) {
       nb::arg("a"), nb::arg("b"), nb::arg("a_amax"), nb::arg("b_amax"),
       nb::arg("out"), nb::arg("workspace"));
   // How many cuBLASLt GEMM handler calls ran inside a CUDA graph capture,
-  // and how many of them did the one-time setup there (gemm/cublaslt.h);
-  // None without the cuBLASLt handlers.
+  // and how many of them did the one-time setup there
+  // (gemm/cublaslt/cublaslt.h); None without the cuBLASLt handlers.
   m.def("gemm_capture_counts", []() -> nb::object {
 #ifdef JAX_NVFP4_WITH_CUBLASLT
     int64_t calls = 0, setups = 0;

@@ -7,8 +7,8 @@
 #include <initializer_list>
 #include <string>
 
-#include "gemm/cublaslt.h"
-#include "gemm/fp4_cublaslt.h"
+#include "gemm/cublaslt/cublaslt.h"
+#include "gemm/cublaslt/fp4_cublaslt.h"
 
 namespace jax_nvfp4 {
 namespace {
@@ -71,7 +71,7 @@ ffi::Error RequireBlackwell(cudaStream_t stream, const GemmErrors& errors,
             std::to_string(device->minor) +
             ". Use jax_nvfp4.matmul / jax_nvfp4.ragged_dot, which lower to "
             "this target only where "
-            "jax_nvfp4.blackwell.native_fp4_supported() holds.");
+            "jax_nvfp4.backends.fp4_gemm.native_fp4_supported() holds.");
   }
   if (ffi::Error e = LoadCublasLt(errors, lt); e.failure()) return e;
   if ((*lt)->version < kMinCublasLtVersion) {

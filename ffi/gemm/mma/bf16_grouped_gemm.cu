@@ -31,7 +31,7 @@
 #include "bindings.h"
 #include "checks.h"
 #include "cuda/launch.cuh"
-#include "gemm/mma.cuh"
+#include "gemm/mma/mma.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {

@@ -2,11 +2,12 @@
 // (compute capability 8.0 to 9.x, e.g. Hopper), through cuBLASLt: FFI
 // target "jax_nvfp4_matmul_bf16".
 //
-// jax_nvfp4/backends/hopper.py decodes both operands to bfloat16 in XLA (e2m1
-// times the E4M3 block scale has at most 6 significant bits: exact in bfloat16)
-// and hands them here with the amaxes. The alpha kernel (cublaslt.h) writes
-// alpha = (amax_a / 2688) * (amax_b / 2688) and beta = 0 to the head of the
-// workspace; then cublasLtMatmul computes, per the plan of bf16_gemm_plan.h,
+// jax_nvfp4/backends/bf16_gemm.py decodes both operands to bfloat16 in XLA
+// (e2m1 times the E4M3 block scale has at most 6 significant bits: exact in
+// bfloat16) and hands them here with the amaxes. The alpha kernel (cublaslt.h)
+// writes alpha = (amax_a / 2688) * (amax_b / 2688) and beta = 0 to the head of
+// the workspace; then cublasLtMatmul computes, per the plan of
+// bf16_gemm_plan.h,
 //   A = b, CUDA_R_16BF, k x n, lda = k, CUBLAS_OP_T
 //   B = a, CUDA_R_16BF, k x m, ldb = k, CUBLAS_OP_N
 //   D = C = out^T, CUDA_R_16BF or CUDA_R_32F, n x m, ldd = n
@@ -30,8 +31,8 @@
 
 #include "bindings.h"
 #include "checks.h"
-#include "gemm/bf16_gemm_plan.h"
-#include "gemm/cublaslt.h"
+#include "gemm/cublaslt/bf16_gemm_plan.h"
+#include "gemm/cublaslt/cublaslt.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {
@@ -225,9 +226,9 @@ namespace ffi = xla::ffi;
 // graphs), so that a training step's kernels are replayed as graphs instead
 // of launched one by one from the host. What it enqueues is capturable (the
 // alpha kernel; cublasLtMatmul on the workspace XLA allocates) and its
-// one-time setup runs under CaptureSafeSetup (gemm/cublaslt.h). The plain
-// registration keeps XLA's command buffers around the GEMM
-// (JAX_NVFP4_GEMM_GRAPHS=0, jax_nvfp4/backends/hopper.py).
+// one-time setup runs under CaptureSafeSetup (gemm/cublaslt/cublaslt.h). The
+// plain registration keeps XLA's command buffers around the GEMM
+// (JAX_NVFP4_GEMM_GRAPHS=0, jax_nvfp4/backends/bf16_gemm.py).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxNvfp4MatmulBf16Cuda, jax_nvfp4::MatmulBf16,
     jax_nvfp4::MatmulBf16Binding(

@@ -3,8 +3,8 @@
 // one block-scaled FP4 cuBLASLt problem, the device and cuBLASLt checks, and
 // the alignment check. Loading cuBLASLt, the handle and algorithm caches and
 // the errors are cublaslt.h's.
-#ifndef JAX_NVFP4_FFI_GEMM_FP4_CUBLASLT_H_
-#define JAX_NVFP4_FFI_GEMM_FP4_CUBLASLT_H_
+#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_CUBLASLT_H_
+#define JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_CUBLASLT_H_
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -13,7 +13,7 @@
 #include <initializer_list>
 #include <string>
 
-#include "gemm/cublaslt.h"
+#include "gemm/cublaslt/cublaslt.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {
@@ -47,4 +47,4 @@ bool Aligned16(std::initializer_list<const void*> pointers);
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_FP4_CUBLASLT_H_
+#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_CUBLASLT_H_

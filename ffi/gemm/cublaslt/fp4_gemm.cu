@@ -1,7 +1,7 @@
 // Native block-scaled FP4 GEMM on Blackwell (compute capability >= 10.0)
 // through cuBLASLt: FFI target "jax_nvfp4_matmul_fp4_sm100".
 //
-// The operands come prepared by jax_nvfp4/backends/blackwell.py
+// The operands come prepared by jax_nvfp4/backends/fp4_gemm.py
 // (native_operands): codes padded with zeros to the tiles of fp4_gemm_plan.h,
 // block scales in cuBLASLt's swizzled VEC16_UE4M3 layout
 // (numerics/scale_layout.h), and the amaxes (one per batch item, or one for
@@ -23,7 +23,7 @@
 // and, for loading, caches and errors, with the bf16 GEMM (cublaslt.h).
 // Every failure is returned as an ffi::Error that says what to do.
 //
-// Not run on Blackwell hardware yet (see jax_nvfp4/backends/blackwell.py).
+// Not run on Blackwell hardware yet (see jax_nvfp4/backends/fp4_gemm.py).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -33,9 +33,9 @@
 
 #include "bindings.h"
 #include "checks.h"
-#include "gemm/cublaslt.h"
-#include "gemm/fp4_cublaslt.h"
-#include "gemm/fp4_gemm_plan.h"
+#include "gemm/cublaslt/cublaslt.h"
+#include "gemm/cublaslt/fp4_cublaslt.h"
+#include "gemm/cublaslt/fp4_gemm_plan.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {

@@ -14,8 +14,8 @@
 // column-major and is asked for D = out^T [n x m] with A = b (k x n
 // column-major, op(A) = A^T) and B = a (k x m column-major, op(B) = B): lda =
 // ldb = k, ldd = n.
-#ifndef JAX_NVFP4_FFI_GEMM_BF16_GEMM_PLAN_H_
-#define JAX_NVFP4_FFI_GEMM_BF16_GEMM_PLAN_H_
+#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_BF16_GEMM_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_CUBLASLT_BF16_GEMM_PLAN_H_
 
 #include <cstdint>
 #include <limits>
@@ -102,7 +102,7 @@ inline std::string PlanBf16Gemm(const std::vector<int64_t>& a,
                                 Bf16GemmPlan* plan) {
   const std::string fix =
       "; lower jax_nvfp4.matmul, which prepares the operands "
-      "(jax_nvfp4.backends.hopper.matmul_bf16)";
+      "(jax_nvfp4.backends.bf16_gemm.matmul_bf16)";
   if (a.size() != 3 || b.size() != 3 || out.size() != 3) {
     return "a, b and out must be rank 3 [batch, rows, ...]" + fix;
   }
@@ -167,4 +167,4 @@ inline std::string PlanBf16Gemm(const std::vector<int64_t>& a,
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_BF16_GEMM_PLAN_H_
+#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_BF16_GEMM_PLAN_H_

@@ -24,8 +24,8 @@
 //   device pointer mode reads them.
 // * Errors: every failure becomes an ffi::Error that names the handler and,
 //   for failures at run time, says how to bypass it.
-#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_H_
-#define JAX_NVFP4_FFI_GEMM_CUBLASLT_H_
+#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_CUBLASLT_H_
+#define JAX_NVFP4_FFI_GEMM_CUBLASLT_CUBLASLT_H_
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -216,4 +216,4 @@ CublasWorkspace AlignedCublasWorkspace(void* head_end,
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_H_
+#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_CUBLASLT_H_

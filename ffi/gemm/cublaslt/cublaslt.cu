@@ -7,7 +7,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "gemm/cublaslt.h"
+#include "gemm/cublaslt/cublaslt.h"
 #include "numerics/nvfp4.h"
 
 namespace jax_nvfp4 {

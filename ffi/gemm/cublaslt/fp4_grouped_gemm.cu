@@ -1,7 +1,7 @@
 // ragged_dot's GEMMs on Blackwell (compute capability >= 10.0) through
 // cuBLASLt: FFI target "jax_nvfp4_grouped_gemm_fp4_sm100".
 //
-// The operands come prepared by jax_nvfp4/backends/blackwell_grouped.py: the
+// The operands come prepared by jax_nvfp4/backends/fp4_grouped_gemm.py: the
 // token buffer's FP4 codes with every group at a multiple of 128 rows, block
 // scales swizzled (rows form) or group-major (tokens form), the padded group
 // sizes and one amax per group for each operand. The handler copies the
@@ -13,7 +13,7 @@
 // the 2-D FP4 GEMM's (fp4_cublaslt.h) with the launch's leading dimension.
 //
 // Not run on Blackwell hardware yet (see
-// jax_nvfp4/backends/blackwell_grouped.py).
+// jax_nvfp4/backends/fp4_grouped_gemm.py).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -23,9 +23,9 @@
 
 #include "bindings.h"
 #include "checks.h"
-#include "gemm/cublaslt.h"
-#include "gemm/fp4_cublaslt.h"
-#include "gemm/fp4_grouped_gemm_plan.h"
+#include "gemm/cublaslt/cublaslt.h"
+#include "gemm/cublaslt/fp4_cublaslt.h"
+#include "gemm/cublaslt/fp4_grouped_gemm_plan.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {

@@ -1,6 +1,6 @@
 // Argument logic of the native Blackwell FP4 GEMM (fp4_gemm.cu), kept
 // free of CUDA and cuBLAS so that the extension can expose it to CPU tests
-// (module.cc: plan_fp4_gemm) next to jax_nvfp4/backends/blackwell.py, which
+// (module.cc: plan_fp4_gemm) next to jax_nvfp4/backends/fp4_gemm.py, which
 // prepares the operands.
 //
 // The handler computes, for every batch item, the row-major product
@@ -13,14 +13,14 @@
 // requires. Every leading dimension is k (A, B) or n (D). alpha is computed
 // on the device from the amaxes, as on every backend:
 // (amax_a / 2688) * (amax_b / 2688).
-#ifndef JAX_NVFP4_FFI_GEMM_FP4_GEMM_PLAN_H_
-#define JAX_NVFP4_FFI_GEMM_FP4_GEMM_PLAN_H_
+#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GEMM_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GEMM_PLAN_H_
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "gemm/bf16_gemm_plan.h"
+#include "gemm/cublaslt/bf16_gemm_plan.h"
 
 namespace jax_nvfp4 {
 
@@ -65,7 +65,7 @@ inline std::string PlanFp4Gemm(
     const std::vector<int64_t>& out, const std::vector<int64_t>& workspace,
     Fp4GemmPlan* plan) {
   const std::string fix =
-      "; prepare the operands with jax_nvfp4.blackwell.native_operands";
+      "; prepare the operands with jax_nvfp4.backends.fp4_gemm.native_operands";
   if (a_codes.size() != 3 || b_codes.size() != 3 || out.size() != 3) {
     return "a_codes, b_codes and out must be rank 3 [batch, rows, ...]" + fix;
   }
@@ -121,4 +121,4 @@ inline std::string PlanFp4Gemm(
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_FP4_GEMM_PLAN_H_
+#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GEMM_PLAN_H_

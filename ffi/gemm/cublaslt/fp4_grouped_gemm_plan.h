@@ -3,7 +3,7 @@
 // block-scaled cuBLASLt GEMM per non-empty group, launched by one handler.
 // Free of CUDA and cuBLAS so that the extension can expose it to CPU tests
 // (module.cc: plan_grouped_fp4_gemm) next to
-// jax_nvfp4/backends/blackwell_grouped.py, which prepares the operands.
+// jax_nvfp4/backends/fp4_grouped_gemm.py, which prepares the operands.
 //
 // Every group of the token buffer starts at a multiple of kFp4RowTile rows
 // (tokens), so a group's rows are whole tiles of the block-scale layout and
@@ -22,15 +22,15 @@
 //
 // The group sizes live on the device: the handler copies them to the host
 // (the only synchronisation; no CUDA graphs) and plans the launches here.
-#ifndef JAX_NVFP4_FFI_GEMM_FP4_GROUPED_GEMM_PLAN_H_
-#define JAX_NVFP4_FFI_GEMM_FP4_GROUPED_GEMM_PLAN_H_
+#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GROUPED_GEMM_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GROUPED_GEMM_PLAN_H_
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "gemm/bf16_gemm_plan.h"
-#include "gemm/fp4_gemm_plan.h"
+#include "gemm/cublaslt/bf16_gemm_plan.h"
+#include "gemm/cublaslt/fp4_gemm_plan.h"
 
 namespace jax_nvfp4 {
 
@@ -82,7 +82,7 @@ inline std::string PlanGroupedFp4Shapes(
     Fp4GroupedPlan* plan) {
   const std::string fix =
       "; prepare the operands with "
-      "jax_nvfp4.backends.blackwell_grouped (ragged_dot does)";
+      "jax_nvfp4.backends.fp4_grouped_gemm (ragged_dot does)";
   if (sizes.size() != 1 || a_amax.size() != 1 || b_amax.size() != 1 ||
       a_scales.size() != 1 || b_scales.size() != 1 || workspace.size() != 1 ||
       a_codes.size() != 2) {
@@ -228,4 +228,4 @@ inline std::string PlanGroupedFp4Launches(const std::vector<int64_t>& sizes,
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_FP4_GROUPED_GEMM_PLAN_H_
+#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GROUPED_GEMM_PLAN_H_
