@@ -1,8 +1,6 @@
-// Argument logic of the cuBLASLt GEMM handlers, kept free of CUDA and cuBLAS
-// so that the extension can expose it to CPU tests (module.cc:
-// plan_bf16_gemm): the workspace head that both handlers (fp4_gemm.cu,
-// bf16_gemm.cu) write alpha and beta to, and the shape checks and
-// call plan of the bf16 GEMM.
+// Argument logic of the bf16 GEMM handler (bf16_gemm.cu): its shape checks
+// and call plan, kept free of CUDA and cuBLAS so that they are tested on the
+// CPU (tests/cpp/gemm_plan_test.cc).
 //
 // The bf16 GEMM handler (target "jax_nvfp4_matmul_bf16") computes, for every
 // batch item, the row-major product
@@ -10,10 +8,7 @@
 //   alpha = (amax_a / 2688) * (amax_b / 2688),
 // on a and b already decoded to bfloat16 (e2m1 * block scale is exact in
 // bfloat16), accumulating in float32 and rounding alpha * acc once to the
-// output type. As for the FP4 GEMM (fp4_gemm_plan.h), cuBLASLt is
-// column-major and is asked for D = out^T [n x m] with A = b (k x n
-// column-major, op(A) = A^T) and B = a (k x m column-major, op(B) = B): lda =
-// ldb = k, ldd = n.
+// output type: launches of gemm_plan.h with ld = K.
 #ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_BF16_GEMM_PLAN_H_
 #define JAX_NVFP4_FFI_GEMM_CUBLASLT_BF16_GEMM_PLAN_H_
 
@@ -22,84 +17,28 @@
 #include <string>
 #include <vector>
 
+#include "gemm/cublaslt/gemm_plan.h"
+
 namespace jax_nvfp4 {
 
-// The workspace result of a cuBLASLt GEMM handler starts with a head of
-// floats: beta = 0.0f, then alpha of each batch item (cuBLASLt's device
-// pointer mode reads both from device memory), padded to 256 bytes.
-// cuBLASLt's own workspace follows (see AlignedCublasWorkspace in
-// cublaslt.h).
-inline int64_t GemmWorkspaceHeadBytes(int64_t batch) {
-  return (static_cast<int64_t>(sizeof(float)) * (1 + batch) + 255) / 256 * 256;
-}
-
-// The checks both GEMM plans share, once a's batch, b's batch, M and N are
-// known: amaxes of 1 value or one per item, out [batch, M, N], and a
-// workspace with room for its head. Empty when they hold.
-inline std::string CheckGemmAmaxOutWorkspace(
-    int64_t batch, int64_t b_batch, int64_t m, int64_t n,
-    const std::vector<int64_t>& a_amax, const std::vector<int64_t>& b_amax,
-    const std::vector<int64_t>& out, const std::vector<int64_t>& workspace) {
-  if ((a_amax[0] != 1 && a_amax[0] != batch) ||
-      (b_amax[0] != 1 && b_amax[0] != b_batch)) {
-    return "each amax must have 1 value or one per item of its operand's "
-           "batch (a: " +
-           std::to_string(batch) + ", b: " + std::to_string(b_batch) +
-           "), got " + std::to_string(a_amax[0]) + " and " +
-           std::to_string(b_amax[0]);
-  }
-  if (out[0] != batch || out[1] != m || out[2] != n) {
-    return "out must be [batch, M, N] = [" + std::to_string(batch) + ", " +
-           std::to_string(m) + ", " + std::to_string(n) + "]";
-  }
-  const int64_t head = GemmWorkspaceHeadBytes(batch);
-  if (workspace[0] < head) {
-    return "the workspace must have at least " + std::to_string(head) +
-           " bytes (beta and one alpha per batch item)";
-  }
-  return "";
-}
-
-// One call of the bf16 GEMM handler, as the numbers cuBLASLt is given. Item
-// strides are in elements; a stride of 0 means the operand is shared by every
-// batch item.
-//
-// The work is done in `calls` cublasLtMatmul calls, each a strided batch of
-// `call_batch` products of call_m x n x k:
-// * one alpha (both amaxes have one value) and a shared b: one GEMM with the
-//   items stacked along M (a and out are contiguous [batch * M, ...]);
-// * one alpha and one b per item: one strided batched GEMM;
-// * one alpha per item: one GEMM per item (cuBLASLt's device pointer mode
-//   reads a single alpha per call).
-struct Bf16GemmPlan {
-  int64_t batch = 0;
-  int64_t m = 0;  // rows of each a item and of each out item
-  int64_t n = 0;  // rows of b, columns of out
-  int64_t k = 0;  // contraction length
-  int64_t a_stride = 0;
-  int64_t b_stride = 0;
-  int64_t out_stride = 0;
-  int64_t a_amax_stride = 0;
-  int64_t b_amax_stride = 0;
-  int64_t alphas = 0;  // alphas the handler computes: 1 (shared) or batch
-  int64_t calls = 0;
-  int64_t call_batch = 0;
-  int64_t call_m = 0;
-  int64_t workspace_head_bytes = 0;  // beta and alphas
-  int64_t workspace_bytes = 0;       // for cuBLASLt, after the head
-};
-
-// Checks the operand shapes of one call and fills `plan`. Returns "" when they
+// Checks the operand shapes of one call and plans it. Returns "" when they
 // are consistent, else a message saying what is wrong. Shapes:
 //   a [batch, m, k] bf16, b [1 | batch, n, k] bf16, a_amax [1 | batch] f32,
 //   b_amax [1 | b's batch] f32, out [batch, m, n], workspace [bytes] u8.
+//
+// The launches, each a strided batch of products of the same shape:
+// * one alpha (both amaxes have one value) and a shared b: one launch with
+//   the items stacked along M (a and out are contiguous [batch * M, ...]);
+// * one alpha and one b per item: one strided batched launch;
+// * one alpha per item: one launch per item (cuBLASLt's device pointer mode
+//   reads a single alpha per launch).
 inline std::string PlanBf16Gemm(const std::vector<int64_t>& a,
                                 const std::vector<int64_t>& b,
                                 const std::vector<int64_t>& a_amax,
                                 const std::vector<int64_t>& b_amax,
                                 const std::vector<int64_t>& out,
                                 const std::vector<int64_t>& workspace,
-                                Bf16GemmPlan* plan) {
+                                GemmCallPlan* plan) {
   const std::string fix =
       "; lower jax_nvfp4.matmul, which prepares the operands "
       "(jax_nvfp4.backends.bf16_gemm.matmul_bf16)";
@@ -124,43 +63,46 @@ inline std::string PlanBf16Gemm(const std::vector<int64_t>& a,
       !e.empty()) {
     return e;
   }
-  const int64_t head = GemmWorkspaceHeadBytes(batch);
   const bool shared_b = b_batch == 1;
   const bool one_alpha = a_amax[0] == 1 && b_amax[0] == 1;
-  plan->batch = batch;
-  plan->m = m;
-  plan->n = n;
-  plan->k = k;
-  plan->a_stride = m * k;
-  plan->b_stride = shared_b ? 0 : n * k;
-  plan->out_stride = m * n;
-  plan->a_amax_stride = a_amax[0] == 1 ? 0 : 1;
-  plan->b_amax_stride = b_amax[0] == 1 ? 0 : 1;
-  plan->alphas = one_alpha ? 1 : batch;
+  GemmLaunch l;
+  l.n = n;
+  l.k = k;
+  l.ld = k;
+  l.a_stride = m * k;
+  l.b_stride = shared_b ? 0 : n * k;
+  l.out_stride = m * n;
+  int64_t launches = batch;
   if (one_alpha && shared_b) {
-    plan->calls = batch == 0 ? 0 : 1;
-    plan->call_batch = 1;
-    plan->call_m = batch * m;
+    launches = 1;
+    l.m = batch * m;
   } else if (one_alpha) {
-    plan->calls = 1;
-    plan->call_batch = batch;
-    plan->call_m = m;
+    launches = 1;
+    l.m = m;
+    l.batch = batch;
   } else {
-    plan->calls = batch;
-    plan->call_batch = 1;
-    plan->call_m = m;
+    l.m = m;
   }
-  plan->workspace_head_bytes = head;
-  plan->workspace_bytes = workspace[0] - head;
   // cuBLASLt takes the batch count as int32 and its kernels index rows and
   // columns with 32-bit integers.
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (plan->call_m > kMax || n > kMax || k > kMax || plan->call_batch > kMax) {
+  if (l.m > kMax || n > kMax || k > kMax || l.batch > kMax) {
     return "each GEMM dimension must be below 2^31 (got M=" +
-           std::to_string(plan->call_m) + ", N=" + std::to_string(n) +
-           ", K=" + std::to_string(k) +
-           ", batch=" + std::to_string(plan->call_batch) +
+           std::to_string(l.m) + ", N=" + std::to_string(n) +
+           ", K=" + std::to_string(k) + ", batch=" + std::to_string(l.batch) +
            "); split the product";
+  }
+  PlanBatchedGemmCall(batch, m, n, k, a_amax[0], b_amax[0], workspace[0], plan);
+  if (k == 0 || batch * m * n == 0) return "";
+  constexpr int64_t kBf16Bytes = 2;
+  // Launch i covers item i when there is one launch per item, else every
+  // item.
+  for (int64_t i = 0; i < launches; ++i) {
+    l.a = i * l.a_stride * kBf16Bytes;
+    l.b = i * l.b_stride * kBf16Bytes;
+    l.out = i * l.out_stride;
+    l.alpha = one_alpha ? 0 : i;
+    plan->launches.push_back(l);
   }
   return "";
 }
