@@ -52,9 +52,7 @@ ffi::Error MatmulBf16(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
       PlanBf16Gemm(Dims(a), Dims(b), Dims(a_amax), Dims(b_amax), Dims(*out),
                    Dims(*workspace), &plan);
   return RunGemmCall(kMatmulBf16, stream, error, plan,
-                     {a.untyped_data(), b.untyped_data(), nullptr, nullptr,
-                      a_amax.typed_data(), b_amax.typed_data()},
-                     *out, *workspace);
+                     GemmOperands(a, b, a_amax, b_amax), *out, *workspace);
 }
 
 }  // namespace

@@ -57,9 +57,8 @@ ffi::Error MatmulFp4Sm100(cudaStream_t stream, ffi::Buffer<ffi::U8> a_codes,
       Dims(b_scales), Dims(b_amax), Dims(*out), Dims(*workspace), &plan);
   return RunGemmCall(
       kMatmulFp4, stream, error, plan,
-      {a_codes.untyped_data(), b_codes.untyped_data(), a_scales.untyped_data(),
-       b_scales.untyped_data(), a_amax.typed_data(), b_amax.typed_data()},
-      *out, *workspace);
+      GemmOperands(a_codes, a_scales, b_codes, b_scales, a_amax, b_amax), *out,
+      *workspace);
 }
 
 }  // namespace

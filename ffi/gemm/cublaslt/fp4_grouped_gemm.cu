@@ -82,9 +82,8 @@ ffi::Error GroupedGemmFp4Sm100(
   }
   return RunGemmCall(
       kGroupedGemmFp4, stream, error, plan,
-      {a_codes.untyped_data(), b_codes.untyped_data(), a_scales.untyped_data(),
-       b_scales.untyped_data(), a_amax.typed_data(), b_amax.typed_data()},
-      *out, *workspace);
+      GemmOperands(a_codes, a_scales, b_codes, b_scales, a_amax, b_amax), *out,
+      *workspace);
 }
 
 }  // namespace

@@ -55,12 +55,35 @@ struct GemmHandler {
 
 // The base addresses the plan's offsets are into; the scales only for FP4.
 struct GemmOperands {
-  const void* a;
-  const void* b;
-  const void* a_scales;
-  const void* b_scales;
-  const float* a_amax;
-  const float* b_amax;
+  // bf16 values.
+  GemmOperands(const ffi::Buffer<ffi::BF16>& a_values,
+               const ffi::Buffer<ffi::BF16>& b_values,
+               const ffi::Buffer<ffi::F32>& a_amax,
+               const ffi::Buffer<ffi::F32>& b_amax)
+      : a(a_values.untyped_data()),
+        b(b_values.untyped_data()),
+        a_amax(a_amax.typed_data()),
+        b_amax(b_amax.typed_data()) {}
+  // FP4 codes and their block scales.
+  GemmOperands(const ffi::Buffer<ffi::U8>& a_codes,
+               const ffi::Buffer<ffi::U8>& a_scales,
+               const ffi::Buffer<ffi::U8>& b_codes,
+               const ffi::Buffer<ffi::U8>& b_scales,
+               const ffi::Buffer<ffi::F32>& a_amax,
+               const ffi::Buffer<ffi::F32>& b_amax)
+      : a(a_codes.untyped_data()),
+        b(b_codes.untyped_data()),
+        a_scales(a_scales.untyped_data()),
+        b_scales(b_scales.untyped_data()),
+        a_amax(a_amax.typed_data()),
+        b_amax(b_amax.typed_data()) {}
+
+  const void* a = nullptr;
+  const void* b = nullptr;
+  const void* a_scales = nullptr;
+  const void* b_scales = nullptr;
+  const float* a_amax = nullptr;
+  const float* b_amax = nullptr;
 };
 
 ffi::Error RunGemmCall(const GemmHandler& handler, cudaStream_t stream,
