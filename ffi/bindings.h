@@ -128,7 +128,8 @@ auto MatmulFp4Binding(Binder binder) {
 }
 
 // jax_nvfp4_grouped_gemm_fp4_sm100 (CUDA, cuBLASLt on Blackwell): ragged_dot's
-// GEMMs on FP4 codes, one launch per group (gemm/fp4_grouped_gemm_plan.h).
+// GEMMs on FP4 codes, one launch per group
+// (gemm/cublaslt/fp4_grouped_gemm_plan.h).
 template <typename Binder>
 auto GroupedGemmFp4Binding(Binder binder) {
   return std::move(binder)
@@ -148,7 +149,7 @@ auto GroupedGemmFp4Binding(Binder binder) {
 }
 
 // jax_nvfp4_grouped_gemm_bf16 (CUDA): ragged_dot's grouped GEMM on decoded
-// operands (ffi/gemm/grouped_gemm.cu).
+// operands (ffi/gemm/mma/bf16_grouped_gemm.cu).
 template <typename Binder>
 auto GroupedGemmBf16Binding(Binder binder) {
   return std::move(binder)
@@ -163,7 +164,7 @@ auto GroupedGemmBf16Binding(Binder binder) {
 }
 
 // jax_nvfp4_matmul_w4a16 (CUDA): bf16 x times an NVFP4 weight decoded in
-// registers (ffi/gemm/weight_only_gemm.cu).
+// registers (ffi/gemm/mma/w4a16_gemm.cu).
 template <typename Binder>
 auto MatmulW4A16Binding(Binder binder) {
   return std::move(binder)

@@ -1,6 +1,7 @@
 """The native Blackwell grouped FP4 GEMM's host-side logic, on the CPU: the
 realigned token buffer, the group-major scale layout, the handler's plan
-(its launches, offsets and zeroed ranges, from the extension) and a NumPy
+(its launches, offsets and zeroed ranges, C++ through
+jax_nvfp4._ffi_testing; tested on their own in tests/cpp) and a NumPy
 emulation of those launches, run inside ``ragged_dot`` against the exact
 per-group path. The handler itself has not run on Blackwell hardware."""
 
@@ -21,8 +22,13 @@ from jax_nvfp4.ops import dispatch
 
 grouped = importlib.import_module("jax_nvfp4.ragged_dot")
 
-EXT = library.extension()
-needs_ext = pytest.mark.skipif(EXT is None, reason="needs the compiled extension")
+try:
+    from jax_nvfp4 import _ffi_testing
+except ImportError:
+    _ffi_testing = None
+needs_plan = pytest.mark.skipif(
+    _ffi_testing is None, reason="needs jax_nvfp4._ffi_testing (pip install .)"
+)
 
 
 def _e4m3_bytes(rng, shape):
@@ -72,66 +78,6 @@ def test_realigned_rows_put_groups_on_tiles():
     np.testing.assert_array_equal(back[:old], buffer[:old])
 
 
-@needs_ext
-@pytest.mark.parametrize(
-    "args, match",
-    [
-        (dict(group_sizes=[100, 28]), "multiples of 128"),
-        (dict(group_sizes=[256, 128]), "within the buffer"),
-        (dict(group_sizes=[-128, 128]), "non-negative"),
-        (dict(a_amax=[3]), "one value per group"),
-        (dict(out=[256, 64]), "out must be"),
-        (dict(a_codes=[200, 32], out=[200, 128]), "multiples of 128"),
-        (dict(workspace=[8]), "workspace"),
-    ],
-)
-def test_plan_refuses_bad_arguments(args, match):
-    shapes = dict(
-        tokens=False,
-        a_codes=[256, 32],
-        a_scales=[256 * 64 // 16],
-        b_codes=[2, 128, 32],
-        b_scales=[2 * 128 * 64 // 16],
-        a_amax=[2],
-        b_amax=[2],
-        out=[256, 128],
-        workspace=[4096],
-        group_sizes=[128, 0],
-    )
-    shapes.update(args)
-    if "a_codes" in args:
-        shapes["a_scales"] = [args["a_codes"][0] * 64 // 16]
-    with pytest.raises(ValueError, match=match):
-        EXT.plan_grouped_fp4_gemm(**shapes)
-
-
-@needs_ext
-def test_plan_launches_and_zeros():
-    """One launch per non-empty group at its slice; an empty group's dW and
-    the rows past the groups are zeroed ranges."""
-    rows = EXT.plan_grouped_fp4_gemm(
-        False, [512, 32], [512 * 4], [3, 128, 32], [3 * 128 * 4], [3], [3],
-        [512, 128], [4096], [128, 0, 256],
-    )  # fmt: skip
-    assert [(x["group"], x["m"], x["a_codes"], x["out"]) for x in rows["launches"]] == [
-        (0, 128, 0, 0),
-        (2, 256, 128 * 32, 128 * 128),
-    ]
-    assert rows["zeros"] == [(384 * 128, 512 * 128)]
-    tokens = EXT.plan_grouped_fp4_gemm(
-        True, [128, 256], [128 * 32], [256, 256], [256 * 32], [3], [3],
-        [3, 128, 256], [4096], [128, 0, 384],
-    )  # fmt: skip
-    launch = tokens["launches"][1]
-    assert (launch["group"], launch["k"], launch["ld"]) == (2, 384, 512)
-    assert (launch["a_codes"], launch["a_scales"], launch["b_scales"]) == (
-        64,
-        128 * 128 // 16,
-        128 * 256 // 16,
-    )
-    assert tokens["zeros"] == [(128 * 256, 2 * 128 * 256)]
-
-
 def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
     """What the handler computes for ``plan`` on these operands: each launch
     reads its slices as cuBLASLt would (codes with the launch's leading
@@ -155,8 +101,8 @@ def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
 
     for x in plan["launches"]:
         m, n, k, ld, g = x["m"], x["n"], x["k"], x["ld"], x["group"]
-        a = matrix(a_codes, a_scales, x["a_codes"], x["a_scales"], m, k, ld)
-        b = matrix(b_codes, b_scales, x["b_codes"], x["b_scales"], n, k, ld)
+        a = matrix(a_codes, a_scales, x["a"], x["a_scales"], m, k, ld)
+        b = matrix(b_codes, b_scales, x["b"], x["b_scales"], n, k, ld)
         alpha = (np.float32(a_amax[g]) / np.float32(2688)) * (
             np.float32(b_amax[g]) / np.float32(2688)
         )
@@ -166,13 +112,13 @@ def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
 
 
 def _emulated_call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form):
-    """fp4_grouped_gemm._call with the handler replaced by its plan (the
-    extension's) and the emulation, on the host."""
+    """fp4_grouped_gemm._call with the handler replaced by its plan (C++,
+    through jax_nvfp4._ffi_testing) and the emulation, on the host."""
 
     def host(*args):
         *ops, sizes, a_amax, b_amax = (np.asarray(a) for a in args)
         count = sizes.shape[0]
-        plan = EXT.plan_grouped_fp4_gemm(
+        plan = _ffi_testing.plan_grouped_fp4_gemm(
             tokens_form, *(list(t.shape) for t in ops), [count], [count],
             list(shape), [1 << 20], sizes.tolist(),
         )  # fmt: skip
@@ -188,7 +134,7 @@ def _emulated_call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form
     )
 
 
-@needs_ext
+@needs_plan
 @pytest.mark.parametrize("recipe", [nv.NVFP4_NO_SR, nv.NVFP4], ids=["nearest", "sr"])
 def test_ragged_dot_on_the_emulated_handler(recipe, monkeypatch):
     """ragged_dot's native path (realigned buffer, operands, plan) with the

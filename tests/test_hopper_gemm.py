@@ -2,8 +2,9 @@
 (jax_nvfp4.backends.bf16_gemm).
 
 On CPU: the exact bf16 decode; the operands handed to the handler (with the
-custom call replaced by a float64 emulation of its contract); the handler's
-shape checks and call plan (C++, through the extension). On a GPU: the real
+custom call replaced by a float64 emulation of its contract); the workspace
+against the handler's plan (C++, through jax_nvfp4._ffi_testing; the plan's
+own tests are in tests/cpp). On a GPU: the real
 handler against the CPU handler within float32 accumulation error -- batched,
 shared and per-item b, per-item amaxes, bfloat16 and float32 output, odd
 shapes, empty problems -- its errors, and its capture into CUDA graphs."""
@@ -166,98 +167,29 @@ def test_matmul_bf16_errors_say_what_to_change():
         )  # fmt: skip
 
 
-# --- the handler's checks and call plan (C++) -----------------------------------
+# --- the workspace Python allocates, against the handler's plan (C++) -----------
 
 
-def _plan_bf16_gemm():
-    ffi = pytest.importorskip("jax_nvfp4._ffi")
-    plan = getattr(ffi, "plan_bf16_gemm", None)
-    if plan is None:
-        pytest.skip("the built extension predates plan_bf16_gemm; rebuild it")
-    return plan
-
-
-@pytest.mark.parametrize(
-    "b_batch, a_amax, b_amax, calls, call_batch, call_m",
-    [
-        (1, 1, 1, 1, 1, 3 * 29),  # one alpha, shared b: stacked along M
-        (3, 1, 1, 1, 3, 29),  # one alpha, b per item: a strided batch
-        (1, 3, 1, 3, 1, 29),  # one alpha per item: one call per item
-        (3, 1, 3, 3, 1, 29),
-        (3, 3, 3, 3, 1, 29),
-    ],
-)
-def test_handler_call_plan(b_batch, a_amax, b_amax, calls, call_batch, call_m):
-    batch, m, n, k = 3, 29, 71, 80
-    plan = _plan_bf16_gemm()(
-        a=[batch, m, k],
-        b=[b_batch, n, k],
-        a_amax=[a_amax],
-        b_amax=[b_amax],
-        out=[batch, m, n],
-        workspace=[bf16_gemm.workspace_bytes(batch)],
-    )
-    assert plan == {
-        "batch": batch,
-        "m": m,
-        "n": n,
-        "k": k,
-        "a_stride": m * k,
-        "b_stride": 0 if b_batch == 1 else n * k,
-        "out_stride": m * n,
-        "a_amax_stride": int(a_amax != 1),
-        "b_amax_stride": int(b_amax != 1),
-        "alphas": 1 if a_amax == b_amax == 1 else batch,
-        "calls": calls,
-        "call_batch": call_batch,
-        "call_m": call_m,
-        "workspace_head_bytes": 256,
-        "workspace_bytes": MIB32,
-    }
-
-
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        (dict(a=[2, 16]), "rank 3"),
-        (dict(a_amax=[1, 2]), "rank 1"),
-        (dict(b=[1, 48, 48]), "same K"),
-        (dict(b=[3, 48, 32]), "b's batch"),
-        (dict(a_amax=[3]), "each amax"),
-        (dict(b_amax=[2]), "each amax"),
-        (dict(out=[2, 16, 47]), "out must be"),
-        (dict(workspace=[8]), "at least 256 bytes"),
-        (dict(a=[1, 2**31, 32], a_amax=[1], out=[1, 2**31, 48]), "below 2\\^31"),
-        # Stacking 4 items of 2^30 rows along M would pass 2^31.
-        (dict(a=[4, 2**30, 32], a_amax=[1], out=[4, 2**30, 48]), "below 2\\^31"),
-    ],
-)
-def test_handler_rejects_inconsistent_shapes(change, message):
-    good = dict(
-        a=[2, 16, 32],
+@pytest.mark.parametrize("batch", [1, 3, 63, 64, 200])
+def test_workspace_is_what_the_handler_plans(batch):
+    """bf16_gemm.workspace_bytes(batch) is the head the handler writes beta and
+    the alphas to, to the byte, then cuBLASLt's part (the plan itself is
+    tested in tests/cpp)."""
+    plan_bf16_gemm = pytest.importorskip("jax_nvfp4._ffi_testing").plan_bf16_gemm
+    shapes = dict(
+        a=[batch, 16, 32],
         b=[1, 48, 32],
-        a_amax=[2],
+        a_amax=[batch],
         b_amax=[1],
-        out=[2, 16, 48],
-        workspace=[4096],
+        out=[batch, 16, 48],
     )
-    plan_bf16_gemm = _plan_bf16_gemm()
-    plan_bf16_gemm(**good)
-    with pytest.raises(ValueError, match=message):
-        plan_bf16_gemm(**{**good, **change})
-
-
-def test_handler_stacks_items_only_within_int32():
-    """4 items of 2^30 rows with one alpha each are 4 calls, not one of 2^32."""
-    plan = _plan_bf16_gemm()(
-        a=[4, 2**30, 32],
-        b=[1, 48, 32],
-        a_amax=[4],
-        b_amax=[1],
-        out=[4, 2**30, 48],
-        workspace=[4096],
-    )
-    assert (plan["calls"], plan["call_batch"], plan["call_m"]) == (4, 1, 2**30)
+    plan = plan_bf16_gemm(**shapes, workspace=[bf16_gemm.workspace_bytes(batch)])
+    assert plan["workspace_bytes"] == MIB32
+    head = bf16_gemm.workspace_bytes(batch) - MIB32
+    assert plan["workspace_head_bytes"] == head
+    plan_bf16_gemm(**shapes, workspace=[head])
+    with pytest.raises(ValueError, match=f"at least {head} bytes"):
+        plan_bf16_gemm(**shapes, workspace=[head - 1])
 
 
 # --- on a GPU --------------------------------------------------------------------
@@ -351,9 +283,8 @@ def test_handler_on_empty_problems():
             jax.device_put(x, gpu)
             for x in random_operands(9, 2, 0, 7, 16, 1, False, False)
         ]
-        out = jax.jit(functools.partial(bf16_gemm.matmul_bf16, dtype=jnp.bfloat16))(
-            *args
-        )
+        gemm = functools.partial(bf16_gemm.matmul_bf16, dtype=jnp.bfloat16)
+        out = jax.jit(gemm)(*args)
         assert out.shape == (2, 0, 7)
 
 
@@ -384,7 +315,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import jax, jax.numpy as jnp, numpy as np
 import gemm_cases as t
-from jax_nvfp4 import _ffi
+from jax_nvfp4 import _ffi_testing
 from jax_nvfp4.backends import bf16_gemm
 
 gpu = jax.devices("gpu")[0]
@@ -399,15 +330,15 @@ for seed, case in enumerate(t.CASES[:3]):
     exact, bound = t.exact_result(*args)
     t.assert_within(first, exact, bound, jnp.float32)
     results.append(bool(np.array_equal(first, again)))
-phase1 = _ffi.gemm_capture_counts()
-_ffi.forget_gemm_setup()
+phase1 = _ffi_testing.gemm_capture_counts()
+_ffi_testing.forget_gemm_setup()
 for seed, case in enumerate(t.CASES[:3]):
     args = t.random_operands(40 + seed, *case)
     got = np.asarray(f(*[jax.device_put(x, gpu) for x in args]))
     exact, bound = t.exact_result(*args)
     t.assert_within(got, exact, bound, jnp.float32)
 print(json.dumps({{"replay_equal": results, "phase1": phase1,
-                  "phase2": _ffi.gemm_capture_counts()}}))
+                  "phase2": _ffi_testing.gemm_capture_counts()}}))
 """
 
 

@@ -1,6 +1,6 @@
 // Decoding to bfloat16 on the device: e2m1(code) * E4M3 block scale, exact
 // (2 + 4 significant bits; 2^-10 .. 2688), without the amax -- the operands
-// of the Hopper GEMM (jax_nvfp4/backends/hopper.py), as its pure-JAX twin
+// of the Hopper GEMM (jax_nvfp4/backends/bf16_gemm.py), as its pure-JAX twin
 // reference.decode_bf16. Used by DecodeBf16Kernel (dequantize.cu) and by the
 // decoded outputs of QuantizePrivateTileKernel (quantize_private_tile.cu).
 #ifndef JAX_NVFP4_FFI_CUDA_DECODE_CUH_

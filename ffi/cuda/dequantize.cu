@@ -21,12 +21,13 @@ namespace {
 
 // ---------------------------------------------------------------------------
 // DecodeBf16Kernel: out = e2m1(code) * E4M3 block scale as bfloat16, without
-// the amax -- the operands of the Hopper GEMM (jax_nvfp4/backends/hopper.py),
-// the same values as its pure-JAX twin reference.decode_bf16. Every such
-// product is exact in bfloat16 (2 + 4 significant bits; 2^-10 .. 2688). Lane q
-// takes the 8 elements of 4 code bytes (half a block): its 16-byte store lies
-// next to its neighbours', so a warp writes 512 contiguous bytes; kDecodeUnroll
-// such groups per lane are loaded before any is decoded (DecodeCodes8Bf16).
+// the amax -- the operands of the Hopper GEMM
+// (jax_nvfp4/backends/bf16_gemm.py), the same values as its pure-JAX twin
+// reference.decode_bf16. Every such product is exact in bfloat16 (2 + 4
+// significant bits; 2^-10 .. 2688). Lane q takes the 8 elements of 4 code bytes
+// (half a block): its 16-byte store lies next to its neighbours', so a warp
+// writes 512 contiguous bytes; kDecodeUnroll such groups per lane are loaded
+// before any is decoded (DecodeCodes8Bf16).
 // ---------------------------------------------------------------------------
 constexpr int kDecodeUnroll = 4;
 

@@ -26,8 +26,8 @@
 //   per tile) adds the slices in slice order, so the result does not depend
 //   on which CTA finishes first. Alpha multiplies the final sums; one
 //   rounding to the output type.
-#ifndef JAX_NVFP4_FFI_GEMM_WEIGHT_ONLY_KERNEL_CUH_
-#define JAX_NVFP4_FFI_GEMM_WEIGHT_ONLY_KERNEL_CUH_
+#ifndef JAX_NVFP4_FFI_GEMM_MMA_W4A16_KERNEL_CUH_
+#define JAX_NVFP4_FFI_GEMM_MMA_W4A16_KERNEL_CUH_
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -36,8 +36,8 @@
 #include <cstdint>
 
 #include "cuda/decode.cuh"
-#include "gemm/mma.cuh"
-#include "gemm/weight_only_gemm_plan.h"
+#include "gemm/mma/mma.cuh"
+#include "gemm/mma/w4a16_gemm_plan.h"
 #include "numerics/nvfp4.h"
 
 namespace jax_nvfp4 {
@@ -317,4 +317,4 @@ cudaError_t LaunchPlanned(cudaStream_t stream, const Args& a,
 }  // namespace w4a16
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_WEIGHT_ONLY_KERNEL_CUH_
+#endif  // JAX_NVFP4_FFI_GEMM_MMA_W4A16_KERNEL_CUH_

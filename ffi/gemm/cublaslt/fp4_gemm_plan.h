@@ -1,26 +1,22 @@
 // Argument logic of the native Blackwell FP4 GEMM (fp4_gemm.cu), kept
-// free of CUDA and cuBLAS so that the extension can expose it to CPU tests
-// (module.cc: plan_fp4_gemm) next to jax_nvfp4/backends/blackwell.py, which
-// prepares the operands.
+// free of CUDA and cuBLAS so that it is tested on the CPU (tests/cpp/, and
+// against jax_nvfp4/backends/fp4_gemm.py, which prepares the operands,
+// through jax_nvfp4._ffi_testing.plan_fp4_gemm).
 //
 // The handler computes, for every batch item, the row-major product
 //   out[m, n] = alpha * sum_k e2m1(a[m, k]) s_a[m, k/16] e2m1(b[n, k]) s_b[n,
-//   k/16]
-// on operands already padded to the tiles below (padding is zero). cuBLASLt
-// is column-major, so it is asked for D = out^T [n x m] = op(A) op(B) with
-// A = b ([n, k] row-major is k x n column-major, op(A) = A^T) and B = a
-// (k x m column-major, op(B) = B): the "TN" layout that block-scaled FP4
-// requires. Every leading dimension is k (A, B) or n (D). alpha is computed
-// on the device from the amaxes, as on every backend:
-// (amax_a / 2688) * (amax_b / 2688).
-#ifndef JAX_NVFP4_FFI_GEMM_FP4_GEMM_PLAN_H_
-#define JAX_NVFP4_FFI_GEMM_FP4_GEMM_PLAN_H_
+//   k/16],
+//   alpha = (amax_a / 2688) * (amax_b / 2688),
+// on operands already padded to the tiles below (padding is zero): launches
+// of gemm_plan.h with ld = K and VEC16_UE4M3 block scales.
+#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GEMM_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GEMM_PLAN_H_
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "gemm/bf16_gemm_plan.h"
+#include "gemm/cublaslt/gemm_plan.h"
 
 namespace jax_nvfp4 {
 
@@ -30,29 +26,10 @@ namespace jax_nvfp4 {
 // defined; it also satisfies the 16-byte alignment of every leading dimension.
 inline constexpr int64_t kFp4RowTile = 128;
 inline constexpr int64_t kFp4KTile = 64;
-// One call of the handler, as the plain numbers cuBLASLt is given. Strides are
-// per batch item, in bytes for codes and scales and in elements for out and
-// the amaxes; a stride of 0 means the operand is shared by every item.
-struct Fp4GemmPlan {
-  int64_t batch = 0;
-  int64_t m = 0;  // padded rows of a and of out
-  int64_t n = 0;  // padded rows of b, columns of out
-  int64_t k = 0;  // padded contraction length (elements)
-  int64_t a_codes_stride = 0;
-  int64_t b_codes_stride = 0;
-  int64_t a_scales_stride = 0;
-  int64_t b_scales_stride = 0;
-  int64_t out_stride = 0;
-  int64_t a_amax_stride = 0;
-  int64_t b_amax_stride = 0;
-  // The workspace result: the head of bf16_gemm_plan.h (beta, then the alpha
-  // of each item), then cuBLASLt's part.
-  int64_t workspace_head_bytes = 0;
-  int64_t workspace_bytes = 0;  // for cuBLASLt, after the head
-};
-
-// Checks the operand shapes of one call and fills `plan`. Returns "" when
-// they are consistent, else a message saying what is wrong. Shapes:
+// Checks the operand shapes of one call and plans it: one launch per batch
+// item (it is unambiguous where each item's block scales live, and alpha may
+// differ per item). Returns "" when the shapes are consistent, else a message
+// saying what is wrong. Shapes:
 //   a_codes [batch, m, k/2] u8, a_scales [batch, m*k/16] u8 (swizzled),
 //   a_amax [1 | batch] f32, b_codes [1 | batch, n, k/2] u8,
 //   b_scales [1 | batch, n*k/16] u8, b_amax [1 | b's batch] f32,
@@ -63,9 +40,9 @@ inline std::string PlanFp4Gemm(
     const std::vector<int64_t>& a_amax, const std::vector<int64_t>& b_codes,
     const std::vector<int64_t>& b_scales, const std::vector<int64_t>& b_amax,
     const std::vector<int64_t>& out, const std::vector<int64_t>& workspace,
-    Fp4GemmPlan* plan) {
+    GemmCallPlan* plan) {
   const std::string fix =
-      "; prepare the operands with jax_nvfp4.blackwell.native_operands";
+      "; prepare the operands with jax_nvfp4.backends.fp4_gemm.native_operands";
   if (a_codes.size() != 3 || b_codes.size() != 3 || out.size() != 3) {
     return "a_codes, b_codes and out must be rank 3 [batch, rows, ...]" + fix;
   }
@@ -102,23 +79,26 @@ inline std::string PlanFp4Gemm(
       !e.empty()) {
     return e;
   }
-  const int64_t head = GemmWorkspaceHeadBytes(batch);
-  plan->batch = batch;
-  plan->m = m;
-  plan->n = n;
-  plan->k = k;
-  plan->a_codes_stride = m * k / 2;
-  plan->b_codes_stride = b_batch == 1 ? 0 : n * k / 2;
-  plan->a_scales_stride = m * k / 16;
-  plan->b_scales_stride = b_batch == 1 ? 0 : n * k / 16;
-  plan->out_stride = m * n;
-  plan->a_amax_stride = a_amax[0] == 1 ? 0 : 1;
-  plan->b_amax_stride = b_amax[0] == 1 ? 0 : 1;
-  plan->workspace_head_bytes = head;
-  plan->workspace_bytes = workspace[0] - head;
+  PlanBatchedGemmCall(batch, m, n, k, a_amax[0], b_amax[0], workspace[0], plan);
+  if (k == 0 || batch * m * n == 0) return "";
+  const bool shared_b = b_batch == 1;
+  GemmLaunch l;
+  l.m = m;
+  l.n = n;
+  l.k = k;
+  l.ld = k;
+  for (int64_t i = 0; i < batch; ++i) {
+    l.a = i * m * k / 2;
+    l.b = shared_b ? 0 : i * n * k / 2;
+    l.a_scales = i * m * k / 16;
+    l.b_scales = shared_b ? 0 : i * n * k / 16;
+    l.out = i * m * n;
+    l.alpha = plan->alphas == 1 ? 0 : i;
+    plan->launches.push_back(l);
+  }
   return "";
 }
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_FP4_GEMM_PLAN_H_
+#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GEMM_PLAN_H_

@@ -7,7 +7,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "gemm/cublaslt.h"
+#include "gemm/cublaslt/cublaslt.h"
 #include "numerics/nvfp4.h"
 
 namespace jax_nvfp4 {
@@ -225,11 +225,9 @@ CaptureCounts GemmCaptureCounts() {
   return {captured_calls.load(), captured_setups.load()};
 }
 
-void CountGemmCall(bool capturing, bool did_setup) {
-  if (!capturing) return;
-  captured_calls.fetch_add(1);
-  if (did_setup) captured_setups.fetch_add(1);
-}
+void CountCapturedCall() { captured_calls.fetch_add(1); }
+
+void CountCapturedSetup() { captured_setups.fetch_add(1); }
 
 bool StreamCapturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -364,6 +362,7 @@ bool HandleAndAlgo(const MatmulDescriptors& desc, const AlgoKey& key,
                    bool* found, CublasFailure& ok, bool* did_setup) {
   std::lock_guard<std::mutex> lock(cache_mutex);
   *found = false;
+  *did_setup = false;
   auto& algos = Algos();
   const auto cached = algos.find(key);
   const auto known = Handles().find(key.device);
@@ -373,7 +372,7 @@ bool HandleAndAlgo(const MatmulDescriptors& desc, const AlgoKey& key,
     *found = true;
     return true;
   }
-  if (did_setup) *did_setup = true;
+  *did_setup = true;
   const CaptureSafeSetup relaxed;
   if (!DeviceHandle(*desc.lt, key.device, handle, ok)) return false;
   if (cached != algos.end()) {
@@ -411,11 +410,16 @@ CublasWorkspace AlignedCublasWorkspace(void* head_end,
 
 }  // namespace jax_nvfp4
 
-// For jax_nvfp4._ffi.forget_gemm_setup and gemm_capture_counts (module.cc,
-// compiled without the CUDA headers).
-extern "C" void JaxNvfp4ForgetGemmSetup() { jax_nvfp4::ForgetGemmSetup(); }
+// For tests: jax_nvfp4._ffi_testing.forget_gemm_setup and gemm_capture_counts
+// (testing_module.cc) find these in the extension jax_nvfp4._ffi, whose
+// handlers hold the caches and counts, by name: exported, unlike the rest.
+extern "C" __attribute__((visibility("default"))) void
+JaxNvfp4ForgetGemmSetup() {
+  jax_nvfp4::ForgetGemmSetup();
+}
 
-extern "C" void JaxNvfp4GemmCaptureCounts(int64_t* calls, int64_t* setups) {
+extern "C" __attribute__((visibility("default"))) void
+JaxNvfp4GemmCaptureCounts(int64_t* calls, int64_t* setups) {
   const jax_nvfp4::CaptureCounts counts = jax_nvfp4::GemmCaptureCounts();
   *calls = counts.captured_calls;
   *setups = counts.captured_setups;

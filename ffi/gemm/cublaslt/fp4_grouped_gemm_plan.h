@@ -1,9 +1,9 @@
 // Argument logic of the native Blackwell grouped FP4 GEMM (fp4_grouped_gemm.cu,
 // target "jax_nvfp4_grouped_gemm_fp4_sm100"): ragged_dot's GEMMs as one
 // block-scaled cuBLASLt GEMM per non-empty group, launched by one handler.
-// Free of CUDA and cuBLAS so that the extension can expose it to CPU tests
-// (module.cc: plan_grouped_fp4_gemm) next to
-// jax_nvfp4/backends/blackwell_grouped.py, which prepares the operands.
+// Free of CUDA and cuBLAS so that it is tested on the CPU (tests/cpp/, and
+// against jax_nvfp4/backends/fp4_grouped_gemm.py, which prepares the
+// operands, through jax_nvfp4._ffi_testing.plan_grouped_fp4_gemm).
 //
 // Every group of the token buffer starts at a multiple of kFp4RowTile rows
 // (tokens), so a group's rows are whole tiles of the block-scale layout and
@@ -22,51 +22,30 @@
 //
 // The group sizes live on the device: the handler copies them to the host
 // (the only synchronisation; no CUDA graphs) and plans the launches here.
-#ifndef JAX_NVFP4_FFI_GEMM_FP4_GROUPED_GEMM_PLAN_H_
-#define JAX_NVFP4_FFI_GEMM_FP4_GROUPED_GEMM_PLAN_H_
+#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GROUPED_GEMM_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GROUPED_GEMM_PLAN_H_
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "gemm/bf16_gemm_plan.h"
-#include "gemm/fp4_gemm_plan.h"
+#include "gemm/cublaslt/fp4_gemm_plan.h"
+#include "gemm/cublaslt/gemm_plan.h"
 
 namespace jax_nvfp4 {
 
-// One cublasLtMatmul of the grouped GEMM: the row-major problem
-// out[m, n] = alpha_g * sum_k a[m, k] b[n, k], a and b with leading
-// dimension `ld` (elements), at these offsets into the operands.
-struct Fp4GroupLaunch {
-  int64_t group = 0;
-  int64_t m = 0, n = 0, k = 0;
-  int64_t ld = 0;
-  int64_t a_codes = 0, b_codes = 0;    // bytes
-  int64_t a_scales = 0, b_scales = 0;  // bytes
-  int64_t out = 0;                     // elements
-};
-
-// A range of out's elements [begin, end) that no launch writes: zeros.
-struct ElementRange {
-  int64_t begin = 0, end = 0;
-};
-
-struct Fp4GroupedPlan {
+// One call: the call plan of gemm_plan.h (batch: the groups G; M x N x K:
+// R x N x K in the rows form, M x N x R in the tokens form), the form and
+// the token buffer's rows R.
+struct Fp4GroupedPlan : GemmCallPlan {
   bool tokens = false;
-  int64_t groups = 0;
-  int64_t buffer_rows = 0;  // R: the token buffer's rows (tokens)
-  int64_t m = 0;            // rows: K (contraction); tokens: a's rows
-  int64_t n = 0;            // b's rows (out's columns)
-  int64_t k = 0;            // rows: the contraction; tokens: unused
-  int64_t out_elements = 0;
-  int64_t workspace_head_bytes = 0;  // beta, then one alpha per group
-  int64_t workspace_bytes = 0;       // for cuBLASLt, after the head
-  std::vector<Fp4GroupLaunch> launches;
-  std::vector<ElementRange> zeros;
+  int64_t buffer_rows = 0;
 };
 
 // Checks the operand shapes of one call (no group sizes needed) and fills
-// the plan's sizes. "" when consistent, else what is wrong. Shapes:
+// the plan but for its launches and zeros. "" when consistent, else what is
+// wrong. Shapes:
 //   rows:   a_codes [R, K/2], a_scales [R*K/16], b_codes [G, N, K/2],
 //           b_scales [G, N*K/16], out [R, N];
 //   tokens: a_codes [M, R/2], a_scales [M*R/16], b_codes [N, R/2],
@@ -82,7 +61,7 @@ inline std::string PlanGroupedFp4Shapes(
     Fp4GroupedPlan* plan) {
   const std::string fix =
       "; prepare the operands with "
-      "jax_nvfp4.backends.blackwell_grouped (ragged_dot does)";
+      "jax_nvfp4.backends.fp4_grouped_gemm (ragged_dot does)";
   if (sizes.size() != 1 || a_amax.size() != 1 || b_amax.size() != 1 ||
       a_scales.size() != 1 || b_scales.size() != 1 || workspace.size() != 1 ||
       a_codes.size() != 2) {
@@ -120,7 +99,6 @@ inline std::string PlanGroupedFp4Shapes(
     }
     r = a_codes[0];
     k = 2 * a_codes[1];
-    m = k;
     n = b_codes[1];
     if (b_codes[0] != groups || 2 * b_codes[2] != k) {
       return "b_codes must be [G, N, K/2] with a's K=" + std::to_string(k) +
@@ -143,7 +121,8 @@ inline std::string PlanGroupedFp4Shapes(
       (tokens && m % kFp4RowTile != 0)) {
     return "R, N (and M in the tokens form) must be multiples of " +
            std::to_string(kFp4RowTile) + " (got R=" + std::to_string(r) +
-           ", M=" + std::to_string(m) + ", N=" + std::to_string(n) + ")" + fix;
+           (tokens ? ", M=" + std::to_string(m) : "") +
+           ", N=" + std::to_string(n) + ")" + fix;
   }
   const int64_t head = GemmWorkspaceHeadBytes(groups);
   if (workspace[0] < head) {
@@ -151,12 +130,15 @@ inline std::string PlanGroupedFp4Shapes(
            " bytes (beta and one alpha per group)";
   }
   plan->tokens = tokens;
-  plan->groups = groups;
   plan->buffer_rows = r;
-  plan->m = m;
+  plan->batch = groups;
+  plan->m = tokens ? m : r;
   plan->n = n;
-  plan->k = k;
-  plan->out_elements = tokens ? groups * m * n : r * n;
+  plan->k = tokens ? r : k;
+  plan->grouped = true;
+  plan->alphas = groups;
+  plan->a_amax_stride = 1;
+  plan->b_amax_stride = 1;
   plan->workspace_head_bytes = head;
   plan->workspace_bytes = workspace[0] - head;
   plan->launches.clear();
@@ -170,47 +152,50 @@ inline std::string PlanGroupedFp4Shapes(
 inline std::string PlanGroupedFp4Launches(const std::vector<int64_t>& sizes,
                                           Fp4GroupedPlan* plan) {
   const Fp4GroupedPlan& p = *plan;
-  if (static_cast<int64_t>(sizes.size()) != p.groups) {
-    return "expected " + std::to_string(p.groups) + " group sizes, got " +
+  const int64_t groups = p.batch, r = p.buffer_rows;
+  if (static_cast<int64_t>(sizes.size()) != groups) {
+    return "expected " + std::to_string(groups) + " group sizes, got " +
            std::to_string(sizes.size());
   }
-  std::vector<Fp4GroupLaunch> launches;
+  std::vector<GemmLaunch> launches;
   std::vector<ElementRange> zeros;
   int64_t start = 0;
-  for (int64_t g = 0; g < p.groups; ++g) {
+  for (int64_t g = 0; g < groups; ++g) {
     const int64_t size = sizes[g];
-    if (size < 0 || size % kFp4RowTile != 0 || start + size > p.buffer_rows) {
+    if (size < 0 || size % kFp4RowTile != 0 || start + size > r) {
       return "group " + std::to_string(g) + " has " + std::to_string(size) +
              " rows at row " + std::to_string(start) +
              ": the padded group sizes must be non-negative multiples of " +
              std::to_string(kFp4RowTile) + " within the buffer's " +
-             std::to_string(p.buffer_rows) + " rows";
+             std::to_string(r) + " rows";
     }
-    Fp4GroupLaunch l;
+    GemmLaunch l;
     l.group = g;
+    l.alpha = g;
+    l.n = p.n;
     if (p.tokens) {
+      // out[g] = a[:, T_g] . b[:, T_g]^T: K is the group's tokens.
       const int64_t out = g * p.m * p.n;
       if (size == 0) {
         zeros.push_back({out, out + p.m * p.n});
       } else {
         l.m = p.m;
-        l.n = p.n;
         l.k = size;
-        l.ld = p.buffer_rows;
-        l.a_codes = start / 2;
-        l.b_codes = start / 2;
+        l.ld = r;
+        l.a = start / 2;
+        l.b = start / 2;
         l.a_scales = start * p.m / 16;
         l.b_scales = start * p.n / 16;
         l.out = out;
         launches.push_back(l);
       }
     } else if (size > 0) {
+      // out[T_g, :] = a[T_g, :] . b[g]^T: M is the group's rows.
       l.m = size;
-      l.n = p.n;
       l.k = p.k;
       l.ld = p.k;
-      l.a_codes = start * p.k / 2;
-      l.b_codes = g * p.n * p.k / 2;
+      l.a = start * p.k / 2;
+      l.b = g * p.n * p.k / 2;
       l.a_scales = start * p.k / 16;
       l.b_scales = g * p.n * p.k / 16;
       l.out = start * p.n;
@@ -218,9 +203,7 @@ inline std::string PlanGroupedFp4Launches(const std::vector<int64_t>& sizes,
     }
     start += size;
   }
-  if (!p.tokens && start < p.buffer_rows) {
-    zeros.push_back({start * p.n, p.buffer_rows * p.n});
-  }
+  if (!p.tokens && start < r) zeros.push_back({start * p.n, r * p.n});
   plan->launches = std::move(launches);
   plan->zeros = std::move(zeros);
   return "";
@@ -228,4 +211,4 @@ inline std::string PlanGroupedFp4Launches(const std::vector<int64_t>& sizes,
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_FP4_GROUPED_GEMM_PLAN_H_
+#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_FP4_GROUPED_GEMM_PLAN_H_

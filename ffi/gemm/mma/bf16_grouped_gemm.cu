@@ -1,7 +1,7 @@
 // The grouped bf16 GEMM of ragged_dot on GPUs without FP4 tensor cores
 // (compute capability >= 8.0): FFI target "jax_nvfp4_grouped_gemm_bf16".
 //
-// jax_nvfp4/grouped.py hands it NVFP4 operands decoded to bfloat16 (exact:
+// jax_nvfp4/ragged_dot.py hands it NVFP4 operands decoded to bfloat16 (exact:
 // e2m1 times an E4M3 scale fits bf16), laid out in a token buffer where every
 // group starts at a multiple of 16 rows. Products of bf16 values are exact in
 // float32 and are accumulated in float32 by the tensor cores (mma.sync
@@ -11,7 +11,7 @@
 //
 //   rows   (FPROP, DGRAD): out[r, n] = alpha[g] * sum_c a[r, c] * b[g, n, c]
 //          for the rows r of group g; a [R, L], b [G, N, L], out [R, N].
-//          Rows outside every group are not written (grouped.py reads only
+//          Rows outside every group are not written (ragged_dot.py reads only
 //          the rows of its tokens).
 //   tokens (WGRAD): out[g, m, n] = alpha[g] * sum over group g's tokens t of
 //          a[t, m] * b[t, n], where a is stored as items of 16 tokens,
@@ -31,7 +31,7 @@
 #include "bindings.h"
 #include "checks.h"
 #include "cuda/launch.cuh"
-#include "gemm/mma.cuh"
+#include "gemm/mma/mma.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {

@@ -1,7 +1,8 @@
-// The cuBLASLt plumbing shared by the GEMM handlers: the block-scaled FP4 GEMM
-// on Blackwell (fp4_gemm.cu, "jax_nvfp4_matmul_fp4_sm100") and the bf16
-// GEMM with alpha in the epilogue for GPUs without FP4 tensor cores
-// (bf16_gemm.cu, "jax_nvfp4_matmul_bf16").
+// The cuBLASLt plumbing under the GEMM handlers' shared body (gemm_call.h):
+// the bf16 GEMM with alpha in the epilogue for GPUs without FP4 tensor cores
+// (bf16_gemm.cu, "jax_nvfp4_matmul_bf16"), the block-scaled FP4 GEMM on
+// Blackwell (fp4_gemm.cu, "jax_nvfp4_matmul_fp4_sm100") and its grouped form
+// (fp4_grouped_gemm.cu, "jax_nvfp4_grouped_gemm_fp4_sm100").
 //
 // * cuBLASLt is loaded when a handler first runs (dlopen), so the extension
 //   has no link-time dependency on it and imports where it is absent. Lookup
@@ -20,12 +21,12 @@
 // * The alpha kernel: alpha = (amax_a / 2688) * (amax_b / 2688) of each batch
 //   item, with IEEE division as in the CPU handler (XLA would turn a division
 //   by 2688 into an inexact multiplication), and beta = 0, written to the head
-//   of the handler's workspace result (bf16_gemm_plan.h), where cuBLASLt's
+//   of the handler's workspace result (gemm_plan.h), where cuBLASLt's
 //   device pointer mode reads them.
 // * Errors: every failure becomes an ffi::Error that names the handler and,
 //   for failures at run time, says how to bypass it.
-#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_H_
-#define JAX_NVFP4_FFI_GEMM_CUBLASLT_H_
+#ifndef JAX_NVFP4_FFI_GEMM_CUBLASLT_CUBLASLT_H_
+#define JAX_NVFP4_FFI_GEMM_CUBLASLT_CUBLASLT_H_
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -95,15 +96,17 @@ class CaptureSafeSetup {
 };
 
 // How many GEMM handler calls ran while their stream was being captured into
-// a CUDA graph, and how many of those did the one-time setup (a handle or a
-// heuristic query) there; for tests (jax_nvfp4._ffi.gemm_capture_counts).
+// a CUDA graph, and how many one-time setups (a handle or a heuristic query)
+// ran there; for tests (jax_nvfp4._ffi_testing.gemm_capture_counts, through
+// the C functions at the end of cublaslt.cu).
 struct CaptureCounts {
   int64_t captured_calls = 0;
   int64_t captured_setups = 0;
 };
 CaptureCounts GemmCaptureCounts();
-// Records one handler call; `capturing`: its stream was being captured.
-void CountGemmCall(bool capturing, bool did_setup);
+// Records a handler call, or a setup, while its stream was being captured.
+void CountCapturedCall();
+void CountCapturedSetup();
 // For tests: forgets every cached handle and algorithm, so that the next
 // call does the whole setup again (the handles are leaked, not destroyed).
 void ForgetGemmSetup();
@@ -174,14 +177,14 @@ struct MatmulDescriptors {
 
 // What cuBLASLt's heuristic choice depends on (besides the TN operation with
 // device-pointer alpha/beta and float32 compute, which every handler uses, and
-// the FP4 handler's block-scale mode, implied by ab_type).
+// the FP4 handlers' block-scale mode, implied by ab_type).
 struct AlgoKey {
   int device;
   cudaDataType_t ab_type, d_type;
   int64_t m, n, k, batch;  // of cuBLASLt's D = n x m
   size_t workspace;
   uint32_t align_a, align_b, align_d;  // cuBLASLt's A, B and C = D
-  int64_t ld = 0;  // A's and B's leading dimension where it is not k
+  int64_t ld;                          // A's and B's leading dimension
   bool operator<(const AlgoKey& o) const;
 };
 
@@ -190,11 +193,11 @@ struct AlgoKey {
 // cuBLASLt's heuristic with the key's alignments and workspace), the setup
 // under CaptureSafeSetup. Returns false when a cuBLASLt call failed (see
 // `ok`); `found` is false when the heuristic has no algorithm for the
-// problem; `did_setup` (if given) is set when a handle was created or the
-// heuristic asked.
+// problem; `did_setup` is set when a handle was created or the heuristic
+// asked.
 bool HandleAndAlgo(const MatmulDescriptors& desc, const AlgoKey& key,
                    cublasLtHandle_t* handle, cublasLtMatmulAlgo_t* algo,
-                   bool* found, CublasFailure& ok, bool* did_setup = nullptr);
+                   bool* found, CublasFailure& ok, bool* did_setup);
 
 // Writes head[0] = beta = 0 and head[1 + i] = (a_amax[i * a_stride] / 2688) *
 // (b_amax[i * b_stride] / 2688) for i < count, on the stream.
@@ -216,4 +219,4 @@ CublasWorkspace AlignedCublasWorkspace(void* head_end,
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_H_
+#endif  // JAX_NVFP4_FFI_GEMM_CUBLASLT_CUBLASLT_H_

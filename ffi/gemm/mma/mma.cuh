@@ -1,9 +1,9 @@
-// Device helpers of the tensor-core GEMM kernels written here (grouped_gemm.cu,
-// weight_only_gemm.cu): asynchronous copies to shared memory, ldmatrix, the
-// bf16 mma.sync with float32 accumulation (sm_80 and later), and the
-// epilogue's paired stores.
-#ifndef JAX_NVFP4_FFI_GEMM_MMA_CUH_
-#define JAX_NVFP4_FFI_GEMM_MMA_CUH_
+// Device helpers of the tensor-core GEMM kernels written here
+// (bf16_grouped_gemm.cu, w4a16_gemm.cu): asynchronous copies to shared memory,
+// ldmatrix, the bf16 mma.sync with float32 accumulation (sm_80 and later), and
+// the epilogue's paired stores.
+#ifndef JAX_NVFP4_FFI_GEMM_MMA_MMA_CUH_
+#define JAX_NVFP4_FFI_GEMM_MMA_MMA_CUH_
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -72,4 +72,4 @@ __device__ __forceinline__ void StorePair(__half* p, float x, float y) {
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_MMA_CUH_
+#endif  // JAX_NVFP4_FFI_GEMM_MMA_MMA_CUH_

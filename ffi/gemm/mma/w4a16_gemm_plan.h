@@ -1,5 +1,5 @@
 // The launch plan of the weight-only NVFP4 GEMM (W4A16) handler
-// (weight_only_gemm.cu, kernel in weight_only_kernel.cuh), free of CUDA so
+// (w4a16_gemm.cu, kernel in w4a16_kernel.cuh), free of CUDA so
 // that the extension exposes it to Python (module.cc: plan_w4a16), which
 // sizes the handler's workspace with it, and to CPU tests.
 //
@@ -11,8 +11,8 @@
 // Workspace layout: one uint32 arrival count per (row tile, column tile),
 // zeroed by the handler before the launch, then, 256-byte aligned, the
 // partial sums float32 [slices, M, N] where slices > 1.
-#ifndef JAX_NVFP4_FFI_GEMM_WEIGHT_ONLY_GEMM_PLAN_H_
-#define JAX_NVFP4_FFI_GEMM_WEIGHT_ONLY_GEMM_PLAN_H_
+#ifndef JAX_NVFP4_FFI_GEMM_MMA_W4A16_GEMM_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_MMA_W4A16_GEMM_PLAN_H_
 
 #include <cstdint>
 #include <string>
@@ -89,4 +89,4 @@ inline std::string PlanW4A16(int64_t m, int64_t n, int64_t k, W4A16Plan* p) {
 
 }  // namespace jax_nvfp4
 
-#endif  // JAX_NVFP4_FFI_GEMM_WEIGHT_ONLY_GEMM_PLAN_H_
+#endif  // JAX_NVFP4_FFI_GEMM_MMA_W4A16_GEMM_PLAN_H_

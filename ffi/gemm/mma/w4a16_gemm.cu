@@ -6,8 +6,8 @@
 // x bfloat16 [M, K]; w's codes uint8 [N, K / 2] (element 2i in the low
 // nibble of byte i) and E4M3 scales [N, K / 16], the layout of a weight
 // quantized along K; amax float32 [1]; a workspace of the size
-// weight_only_gemm_plan.h gives. The weight is decoded in registers (no
-// bfloat16 copy of it is written to memory): weight_only_kernel.cuh.
+// w4a16_gemm_plan.h gives. The weight is decoded in registers (no
+// bfloat16 copy of it is written to memory): w4a16_kernel.cuh.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,8 +16,8 @@
 #include "bindings.h"
 #include "checks.h"
 #include "cuda/launch.cuh"
-#include "gemm/weight_only_gemm_plan.h"
-#include "gemm/weight_only_kernel.cuh"
+#include "gemm/mma/w4a16_gemm_plan.h"
+#include "gemm/mma/w4a16_kernel.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_nvfp4 {
