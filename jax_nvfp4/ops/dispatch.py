@@ -22,8 +22,9 @@ same operands) or ``"native_fp4"`` (one FP4 GEMM per group on the codes,
 Weight-only GEMM (the W4A16 primitive of serving, ``matmul(x_bf16,
 w_nvfp4)``), chosen when lowered for CUDA (``w4a16_path``, from the lowering
 context and the shapes): ``"handler"`` (the weight decoded in registers,
-``w4a16_gemm``; few rows), ``"cublaslt"`` (the weight decoded by the decode
-handler and the cuBLASLt bf16 GEMM) or ``"xla"`` (the twin).
+``w4a16_gemm``; few rows), ``"cublaslt"`` (the decoded weight, by the decode
+handler where it is built, and the cuBLASLt bf16 GEMM) or ``"xla"`` (the
+twin).
 
 Operand form, chosen when traced (``decoded_operands``,
 ``grouped_decoded_operands``): whether the fused quantize writes the GEMM's
