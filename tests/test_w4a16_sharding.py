@@ -1,11 +1,12 @@
 """The serving matmul ``matmul(x_bf16, w_nvfp4)`` and the bf16 decode under
 sharded jit on 4 virtual CPU devices (tests/w4a16_sharding_checks.py, run in
 a subprocess): x's rows, the batch, the weight's rows (N) or both sharded
-give one device's bytes and the compiled HLO has no collective (no
-all-gather of x or of the weight); a sharded contraction adds only the
-float32 all-reduce of the partial sums. Bytes are compared on operands whose
-float32 sums are exact (each shard's GEMM shape may change XLA's summation
-order); real data stays within the float32 summation bound."""
+give one device's bytes (on Auto and on Explicit mesh axes) and the compiled
+HLO has no collective (no all-gather of x or of the weight); a sharded
+contraction adds only the float32 all-reduce of the partial sums. Bytes are
+compared on operands whose float32 sums are exact (each shard's GEMM shape
+may change XLA's summation order); real data stays within the float32
+summation bound."""
 
 import pathlib
 
@@ -47,6 +48,11 @@ def test_sharded_contraction_sums_partials_in_float32(results, dtype):
         # The one collective: the float32 partial sums, [batch, rows, n].
         assert list(found) == ["all-reduce"], found
         assert all(t.startswith("f32[1,64,96]") for t in found["all-reduce"])
+
+
+@pytest.mark.parametrize("case", ["explicit set_mesh", "explicit typed"])
+def test_explicit_axes(results, case):
+    assert results[case] == {"bytes_equal": True, "type": "bfloat16[64@d,96]"}
 
 
 @pytest.mark.parametrize("case", ["decode rows", "decode blocks"])

@@ -139,6 +139,20 @@ def main():
             r["real collectives"] = collectives(f.lower(*args).compile().as_text())
             out[f"{case} {dtype}"] = r
 
+    # Explicit mesh axes (jax.make_mesh's default): the result is typed with
+    # x's row sharding, inside jax.set_mesh and with only x's type naming it.
+    explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    f = jax.jit(nv.matmul)
+    want = f(x_exact, w_exact)
+    xs = jax.device_put(x_exact, NamedSharding(explicit, P("d", None)))
+    with jax.set_mesh(explicit):
+        in_scope = f(xs, w_exact)
+    for name, got in (("set_mesh", in_scope), ("typed", f(xs, w_exact))):
+        out[f"explicit {name}"] = {
+            "bytes_equal": bool(np.array_equal(bits(got), bits(want))),
+            "type": str(jax.typeof(got)),
+        }
+
     # The decode primitive: rows and the batch partition.
     codes = w_real.codes.reshape(1, N, K // 2)
     scales = w_real.scales.reshape(1, N, K // 16)
