@@ -101,15 +101,14 @@ def _optional(fn):
 
 
 def _decode_op():
-    """The Hopper GEMM path's operand decode (codes, scales) -> bf16, an
-    internal of the CUDA backend; None off a GPU or where it is not built."""
+    """The Hopper GEMM path's operand decode (codes, scales) -> bf16, the
+    primitive ``ops.decode_bf16`` (the CUDA handler where it is built); None
+    off a GPU."""
     if jax.default_backend() != "gpu":
         return None
-    try:
-        from jax_nvfp4.backends import bf16_gemm
-    except ImportError:
-        return None
-    return getattr(bf16_gemm, "decode_bf16_cuda", None)
+    from jax_nvfp4.ops import decode_bf16
+
+    return lambda codes, scales: decode_bf16(codes[None], scales[None])[0]
 
 
 def bench_shape(m, k, list_kernels=False):

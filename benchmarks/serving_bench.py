@@ -10,7 +10,7 @@ still in the L2 cache when its turn comes (as in a model, where each layer
 has its own): the time per GEMM of
   bf16            jnp.dot of x by the bf16 weight (what serving in bf16 does)
   w4a16 handler   jax_nvfp4's weight-only GEMM, the weight decoded in
-                  registers (backends/w4a16_gemm.py, path "handler")
+                  registers (ops.w4a16_matmul, path "handler")
   w4a16 decoded   the same product by the weight decoded to bf16 per call and
                   the cuBLASLt GEMM (path "cublaslt")
   w4a4            matmul(quantize(x), w): the activations quantized as in
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from common import argument_parser, header, parse_shape, write_json
 
 import jax_nvfp4 as nv
+from jax_nvfp4 import ops
 from jax_nvfp4.backends import w4a16_gemm
 
 
@@ -75,9 +76,20 @@ def main(argv=None):
     print(header())
 
     def w4a16(path):
-        return lambda x, w: w4a16_gemm.matmul_w4a16(
-            x, w.codes, w.scales, w.amax, jnp.bfloat16, path=path
-        )
+        """The W4A16 primitive lowered to the CUDA GEMM ``path``."""
+
+        def product(x, w):
+            n, k = w.stored_shape
+            return ops.w4a16_matmul(
+                x[None],
+                w.codes.reshape(1, n, k // 2),
+                w.scales.reshape(1, n, k // 16),
+                jnp.asarray(w.amax, jnp.float32).reshape(1),
+                dtype=jnp.bfloat16,
+                path=path,
+            )[0]
+
+        return product
 
     products = {
         "bf16": lambda x, w: jnp.dot(x, w[1]),

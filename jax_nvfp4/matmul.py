@@ -7,7 +7,7 @@ primitive's business (``jax_nvfp4.ops.matmul``).
 
 ``matmul(x, w)`` with bfloat16 activations x and an NVFP4 weight w is the
 weight-only GEMM of serving (W4A16): ``out = (A_w / 2688) * sum_k x *
-e2m1(w) s_w`` (``jax_nvfp4.backends.w4a16_gemm``).
+e2m1(w) s_w`` (the primitive ``jax_nvfp4.ops.w4a16_matmul``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4.backends import w4a16_gemm
 from jax_nvfp4.format import BLOCK_SIZE, NVFP4Tensor
-from jax_nvfp4.ops import dispatch
 from jax_nvfp4.quantize import implementation_ops
 
 __all__ = ["matmul"]
@@ -53,12 +51,6 @@ def _out_dtype(out_dtype) -> np.dtype:
     return dtype
 
 
-def _weight_only_path(rows: int, k: int, n: int, implementation: str) -> str:
-    if implementation != "ffi":
-        return "xla"
-    return dispatch.w4a16_path(rows, k, n)
-
-
 def _weight_only(x, w: NVFP4Tensor, out_dtype, implementation):
     """bfloat16 x [..., K] times the NVFP4 weight w stored [N, K]."""
     if not hasattr(x, "dtype"):
@@ -85,15 +77,16 @@ def _weight_only(x, w: NVFP4Tensor, out_dtype, implementation):
     n, k = stored
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x {x.shape} must end in the weight's K={k} (w is [N, K])")
-    rows = math.prod(x.shape[:-1])
-    path = _weight_only_path(rows, k, n, implementation)
-    out = w4a16_gemm.matmul_w4a16(
-        x.reshape(rows, k),
-        w.codes.reshape(n, k // 2),
-        w.scales.reshape(n, k // BLOCK_SIZE),
-        w.amax,
-        out_dtype,
-        path=path,
+    # The leading axes but the last are the primitive's batch: a sharded
+    # batch or row axis stays where it is.
+    lead = x.shape[:-1] or (1,)
+    x3 = x.reshape(math.prod(lead[:-1]), lead[-1], k)
+    out = implementation_ops(implementation).w4a16_matmul(
+        x3,
+        w.codes.reshape(1, n, k // 2),
+        w.scales.reshape(1, n, k // BLOCK_SIZE),
+        jnp.asarray(w.amax, jnp.float32).reshape(1),
+        dtype=out_dtype,
     )
     return out.reshape(*x.shape[:-1], n)
 

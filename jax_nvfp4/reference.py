@@ -488,3 +488,28 @@ def matmul_dequantize_bf16(
             a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
         )
     return (acc * _gemm_alpha(a_amax, b_amax)).astype(dtype)
+
+
+def w4a16_matmul(x, codes, scales, amax, *, dtype):
+    """The weight-only GEMM of serving (W4A16): x bfloat16 [b, m, k] times a
+    weight stored quantized along k (codes uint8 [b', n, k/2], scales
+    float8_e4m3fn [b', n, k/16], amax float32 [b'], b' 1 or b) -> [b, m, n]
+    of dtype: (amax / 2688) * sum_k x * e2m1(code) * s_b.
+
+    The products are exact (``decode_bf16``) and summed in float32 by XLA's
+    dot, in XLA's order, then scaled and rounded once: within the float32
+    summation bound of the CUDA handler's sums (and equal to them wherever
+    every partial sum is exact), not bit-equal in general."""
+    w = decode_bf16(codes, scales)
+    alpha = divide(amax.reshape(-1), _F32(SCALE_RANGE))
+    batch, m, k = x.shape
+    if w.shape[0] == 1:  # one weight: the batch is more rows
+        acc = jnp.dot(x.reshape(batch * m, k), w[0].T, preferred_element_type=_F32)
+        return (acc * alpha).astype(dtype).reshape(batch, m, -1)
+    acc = lax.dot_general(
+        x, w, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
+    )
+    return (acc * alpha[:, None, None]).astype(dtype)
+
+
+__all__ += ["decode_bf16", "w4a16_matmul"]

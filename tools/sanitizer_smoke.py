@@ -121,20 +121,22 @@ def grouped_gemms(key):
 def w4a16_gemms(key):
     """The weight-only GEMM handler at every row-tile height, partial tiles
     in M and N, K in one slice and in slices of which the last is short."""
+    from jax_nvfp4 import ops
     from jax_nvfp4.backends import w4a16_gemm
 
     outs = []
     for k in (512, 2176):
         w = nv.quantize(jax.random.normal(key, (k, 130)), axis=0)
         path = "handler" if w4a16_gemm.handler_supported(k, 130) else "xla"
+        weight = (
+            w.codes.reshape(1, 130, k // 2),
+            w.scales.reshape(1, 130, k // 16),
+            w.amax.reshape(1),
+        )
         for m in (1, 17, 40, 100):
-            x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            x = jax.random.normal(key, (1, m, k), jnp.bfloat16)
             for dtype in (jnp.bfloat16, jnp.float32):
-                outs.append(
-                    w4a16_gemm.matmul_w4a16(
-                        x, w.codes, w.scales, w.amax, dtype, path=path
-                    )
-                )
+                outs.append(ops.w4a16_matmul(x, *weight, dtype=dtype, path=path))
     return outs
 
 

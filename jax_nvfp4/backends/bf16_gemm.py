@@ -82,8 +82,11 @@ def cublaslt_gemm_supported(target: Sequence[Any] | None = None) -> bool:
 
 
 def decode_bf16_cuda(codes: jax.Array, scales: jax.Array) -> jax.Array:
-    """``decode_bf16`` by the CUDA handler ``jax_nvfp4_decode_bf16``. Only
-    where that handler is registered and the arrays live on a CUDA GPU."""
+    """``decode_bf16`` by the CUDA handler ``jax_nvfp4_decode_bf16``, a
+    lowering body (the GEMMs' CUDA lowerings call it). Only where that
+    handler is registered and the arrays live on a CUDA GPU; elsewhere use
+    the primitive ``jax_nvfp4.ops.decode_bf16``, which partitions and runs
+    on any platform."""
     if scales.shape != (*codes.shape[:-1], codes.shape[-1] // 8) or (
         codes.shape[-1] % 8
     ):

@@ -8,15 +8,17 @@ x bfloat16 [M, K]; the weight as stored when quantized along K: codes uint8
 an E4M3 scale fits bfloat16), sums float32, alpha in the epilogue, one
 rounding to the output dtype.
 
-On GPUs the CUDA handler ``jax_nvfp4_matmul_w4a16`` (ffi/gemm/
-weight_only_gemm.cu) decodes the weight in registers: it reads 4.5 bits per
-weight element and no bfloat16 copy of the weight exists, which is what wins
-at the few rows of x of token-by-token generation. From ``MAX_HANDLER_ROWS``
-rows on, the GEMM is compute-bound and the cuBLASLt bf16 GEMM on the decoded
-weight is faster (``bf16_gemm.matmul_values``; the weight decoded by the CUDA
-decode handler, as for training's GEMMs). The twin of both, and the path
-on the CPU: XLA's dot on the decoded weight (exact products, float32 sums in
-XLA's order).
+The GEMMs the W4A16 primitive (``jax_nvfp4.ops.w4a16_matmul``) lowers to on
+CUDA, as ``ops.dispatch`` chooses them. The CUDA handler
+``jax_nvfp4_matmul_w4a16`` (ffi/gemm/mma/w4a16_gemm.cu) decodes the weight in
+registers: it reads 4.5 bits per weight element and no bfloat16 copy of the
+weight exists, which is what wins at the few rows of x of token-by-token
+generation. From ``MAX_HANDLER_ROWS`` rows on, the GEMM is compute-bound and
+the cuBLASLt bf16 GEMM on the decoded weight is faster
+(``bf16_gemm.matmul_values``; the weight decoded by the CUDA decode handler,
+as for training's GEMMs). The twin of both, and the path on the CPU: XLA's
+dot on the decoded weight (``reference.w4a16_matmul``: exact products,
+float32 sums in XLA's order).
 """
 
 from __future__ import annotations
@@ -51,10 +53,6 @@ def handler_supported(k: int, n: int, target: Any = None) -> bool:
     return bool(lowered_for) and devices.all_capable(lowered_for, MIN_CAPABILITY)
 
 
-def _alpha(amax):
-    return reference.divide(amax, jnp.float32(SCALE_RANGE))
-
-
 def matmul_w4a16(
     x: jax.Array,
     codes: jax.Array,
@@ -63,37 +61,53 @@ def matmul_w4a16(
     dtype: Any,
     *,
     path: str,
+    decode_handler: bool = False,
+    graphs: bool = True,
 ) -> jax.Array:
-    """x bfloat16 [M, K] times the weight (codes uint8 [N, K/2], scales
-    float8_e4m3fn [N, K/16], amax float32 [1]) -> [M, N] of dtype (bfloat16
-    or float32).
+    """x bfloat16 [b, M, K] times the weight (codes uint8 [b', N, K/2],
+    scales float8_e4m3fn [b', N, K/16], amax float32 [b'], b' 1 or b) ->
+    [b, M, N] of dtype (bfloat16 or float32): a lowering body.
 
-    path: "handler" (the CUDA handler), "cublaslt" (the decoded weight and
-    the cuBLASLt bf16 GEMM with alpha in its epilogue) or "xla" (the twin).
+    path: "handler" (the CUDA handler; one weight, b' = 1, x's batch folded
+    into its rows), "cublaslt" (the decoded weight and the cuBLASLt bf16 GEMM
+    with alpha in its epilogue) or "xla" (the twin). decode_handler: decode
+    the weight with the CUDA decode handler (``bf16_gemm.decode_bf16_cuda``)
+    instead of XLA's fusion of the twin (same values). graphs: the cuBLASLt
+    target declared safe for XLA's command buffers.
     """
     dtype = np.dtype(dtype)
-    amax = jnp.asarray(amax, jnp.float32).reshape(1)
+    amax = jnp.asarray(amax, jnp.float32).reshape(-1)
+    batch, m, k = x.shape
+    weights, n, _ = codes.shape
+    if path == "xla" or 0 in (batch, m, n, k):
+        return reference.w4a16_matmul(x, codes, scales, amax, dtype=dtype)
     if path == "handler":
-        m, k = x.shape
-        n = codes.shape[0]
-        plan = library.extension().plan_w4a16(m, n, k)
+        if weights != 1:
+            raise ValueError(
+                f"the W4A16 handler multiplies by one weight; got {weights} "
+                "(one per batch item): use path 'cublaslt' or 'xla'"
+            )
+        ext = library.extension()
+        if ext is None:
+            raise RuntimeError(
+                "the W4A16 handler's workspace is sized by the compiled "
+                "extension jax_nvfp4._ffi, which is not built"
+            )
+        plan = ext.plan_w4a16(batch * m, n, k)
         out, _ = jax.ffi.ffi_call(
             TARGET,
             (
-                jax.ShapeDtypeStruct((m, n), dtype),
+                jax.ShapeDtypeStruct((batch * m, n), dtype),
                 jax.ShapeDtypeStruct((plan["workspace_bytes"],), jnp.uint8),
             ),
-            vmap_method="sequential",
-        )(x, codes, scales, amax)
-        return out
-    if path == "cublaslt" and bf16_gemm.DECODE_TARGET in library.targets_on("cuda"):
-        w = bf16_gemm.decode_bf16_cuda(codes, scales)  # same values, one kernel
-    else:
-        w = reference.decode_bf16(codes[None], scales[None])[0]
-    if path == "cublaslt":
-        unit = jnp.full((1,), SCALE_RANGE, jnp.float32)  # alpha = amax / 2688
-        return bf16_gemm.matmul_values(x[None], w[None], unit, amax, dtype)[0]
-    if path != "xla":
+        )(x.reshape(batch * m, k), codes[0], scales[0], amax)
+        return out.reshape(batch, m, n)
+    if path != "cublaslt":
         raise ValueError(f"path must be 'handler', 'cublaslt' or 'xla', got {path!r}")
-    acc = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
-    return (acc * _alpha(amax)).astype(dtype)
+    decode = bf16_gemm.decode_bf16_cuda if decode_handler else reference.decode_bf16
+    w = decode(codes, scales)  # [b', N, K], the same values either way
+    if weights == 1:  # one GEMM over every row of x
+        x = x.reshape(1, batch * m, k)
+    unit = jnp.full((1,), SCALE_RANGE, jnp.float32)  # alpha = amax / 2688
+    out = bf16_gemm.matmul_values(x, w, unit, amax, dtype, graphs=graphs)
+    return out.reshape(batch, m, n)

@@ -1,10 +1,11 @@
 """The primitive layer: one module per primitive family (``quantize``,
-``amax``, ``dequantize``, ``matmul``) on the handlers' rank-3 layout
-``[batch, m, k]``, built by ``primitive.define`` with shared ``batching``
-and ``sharding`` helpers. ``jax_nvfp4.reference`` has functions of the same
-names and signatures (the pure-JAX twins)."""
+``amax``, ``dequantize``, ``decode``, ``matmul``, ``w4a16_matmul``) on the
+handlers' rank-3 layout ``[batch, m, k]``, built by ``primitive.define``
+with shared ``batching`` and ``sharding`` helpers. ``jax_nvfp4.reference``
+has functions of the same names and signatures (the pure-JAX twins)."""
 
 from jax_nvfp4.ops.amax import abs_max, abs_max_p, amax, amax_p
+from jax_nvfp4.ops.decode import decode_bf16, decode_bf16_p
 from jax_nvfp4.ops.dequantize import dequantize, dequantize_p
 from jax_nvfp4.ops.matmul import matmul, matmul_p
 from jax_nvfp4.ops.quantize import (
@@ -18,6 +19,7 @@ from jax_nvfp4.ops.quantize import (
     quantize_rows_cols_p,
     quantize_rows_p,
 )
+from jax_nvfp4.ops.w4a16_matmul import w4a16_matmul, w4a16_matmul_p
 
 __all__ = [
     "Place",
@@ -26,6 +28,8 @@ __all__ = [
     "abs_max_p",
     "amax",
     "amax_p",
+    "decode_bf16",
+    "decode_bf16_p",
     "dequantize",
     "dequantize_p",
     "fused_writes_values",
@@ -37,4 +41,6 @@ __all__ = [
     "quantize_rows_cols",
     "quantize_rows_cols_p",
     "quantize_rows_p",
+    "w4a16_matmul",
+    "w4a16_matmul_p",
 ]

@@ -19,10 +19,12 @@ reference), ``"bf16_handler"`` (one grouped launch on the decoded operands,
 same operands) or ``"native_fp4"`` (one FP4 GEMM per group on the codes,
 ``fp4_grouped_gemm``).
 
-Weight-only GEMM (serving, ``matmul(x_bf16, w_nvfp4)``), chosen when traced
-(``w4a16_path``): ``"handler"`` (the weight decoded in registers,
-``w4a16_gemm``), ``"cublaslt"`` (the decoded weight and the cuBLASLt bf16
-GEMM) or ``"xla"`` (the twin).
+Weight-only GEMM (the W4A16 primitive of serving, ``matmul(x_bf16,
+w_nvfp4)``), chosen when lowered for CUDA (``w4a16_path``, from the lowering
+context and the shapes): ``"handler"`` (the weight decoded in registers,
+``w4a16_gemm``; few rows), ``"cublaslt"`` (the decoded weight, by the decode
+handler where it is built, and the cuBLASLt bf16 GEMM) or ``"xla"`` (the
+twin).
 
 Operand form, chosen when traced (``decoded_operands``,
 ``grouped_decoded_operands``): whether the fused quantize writes the GEMM's
@@ -60,6 +62,7 @@ __all__ = [
     "grouped_decoded_operands",
     "grouped_path",
     "matmul_cuda",
+    "w4a16_cuda",
     "w4a16_path",
 ]
 
@@ -128,15 +131,20 @@ def grouped_decoded_operands(path: str) -> bool:
     )
 
 
-def w4a16_path(rows: int, k: int, n: int, target: Any = None) -> str:
-    """The weight-only GEMM of bf16 x [rows, k] by an NVFP4 weight [n, k]:
+def w4a16_path(
+    rows: int, k: int, n: int, target: Any = None, *, weights: int = 1
+) -> str:
+    """The weight-only GEMM of bf16 x [rows, k] by an NVFP4 weight [n, k]
+    (``weights`` > 1: one weight per batch item, x's rows per item), lowered
+    for ``target`` (a lowering context; see ``devices.lowering_devices``):
     one of ``W4A16``."""
-    if not _on_gpu():
-        return "xla"
+    if rows == 0 or n == 0 or k == 0:
+        return "xla"  # nothing to multiply
     settings = config.settings()
     lowered_for = devices.lowering_devices(target)
     if (
         settings.w4a16_gemm
+        and weights == 1
         and rows <= w4a16_gemm.MAX_HANDLER_ROWS
         and w4a16_gemm.handler_supported(k, n, lowered_for)
     ):
@@ -144,6 +152,21 @@ def w4a16_path(rows: int, k: int, n: int, target: Any = None) -> str:
     if settings.cublaslt_gemm and bf16_gemm.cublaslt_gemm_supported(lowered_for):
         return "cublaslt"
     return "xla"
+
+
+def w4a16_cuda(x, codes, scales, amax, *, dtype, path):
+    """The W4A16 primitive's CUDA lowering body: the GEMM of ``path`` (one
+    of ``W4A16``; ``w4a16_path`` chooses it)."""
+    return w4a16_gemm.matmul_w4a16(
+        x,
+        codes,
+        scales,
+        amax,
+        dtype,
+        path=path,
+        decode_handler=bf16_gemm.DECODE_TARGET in library.targets_on("cuda"),
+        graphs=gemm_graphs(),
+    )
 
 
 def matmul_cuda(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):

@@ -4,7 +4,9 @@ A primitive family is two primitives: the public one (abstract evaluation,
 batching, eager implementation, and a lowering that partitions by its
 ``Layout`` under sharded ``jit``) and ``<name>_local``, one shard's work,
 lowered to the FFI handler where one is registered, to a platform-specific
-pure-JAX path, or to the pure-JAX twin in ``jax_nvfp4.reference`` elsewhere.
+pure-JAX path, to a rule that chooses from the lowering context (the
+dispatcher's GEMMs), or to the pure-JAX twin in ``jax_nvfp4.reference``
+elsewhere.
 Parameters that are dataclasses (the quantize options, the placement) reach
 the handler as dictionary attributes with the same field names.
 """
@@ -114,7 +116,7 @@ def _announcing_missing_handlers(platform, rule):
 
 def define(
     name: str,
-    target: str,
+    target: str | None,
     abstract: Callable,
     reference_fn: Callable,
     batch_rule: Callable,
@@ -125,11 +127,13 @@ def define(
     lowerings: dict[str, Callable] | None = None,
     origin_arg: int | None = None,
     handler_applies: Callable | None = None,
+    rules: dict[str, Callable] | None = None,
 ) -> Primitive:
     """The public primitive ``name`` (see the module docstring).
 
     Args:
-      target: the FFI target of the handlers; registered platforms lower to it.
+      target: the FFI target of the handlers; registered platforms lower to
+        it. None: no handler of its own (``rules`` and ``lowerings`` decide).
       abstract: shapes and dtypes of the results from the operands' avals.
       reference_fn: the pure-JAX twin, the lowering where no handler is.
       batch_rule: the vmap rule of the public primitive.
@@ -141,6 +145,10 @@ def define(
       origin_arg: index of the int32[3] origin operand (see ``sharding``).
       handler_applies: ``applies(operand avals)``; where False, the reference
         lowers it on handler platforms too.
+      rules: {platform: MLIR lowering rule ``rule(ctx, *args, **params)``}
+        for platforms whose lowering is chosen from the lowering context and
+        the operand avals (``ops.dispatch``); they replace ``lowerings`` and
+        ``target`` there.
     """
 
     def abstract_eval(*avals, **params):
@@ -155,6 +163,7 @@ def define(
         platform: mlir.lower_fun(fn, multiple_results=multiple)
         for platform, fn in (lowerings or {}).items()
     }
+    platform_lowerings.update(rules or {})
     for platform in _HANDLER_PLATFORMS:
         if not library.targets_on(platform):
             platform_lowerings[platform] = _announcing_missing_handlers(
@@ -163,7 +172,7 @@ def define(
     for platform, rule in platform_lowerings.items():
         mlir.register_lowering(local, rule, platform=platform)
     for platform, targets in library.registered_targets().items():
-        if target in targets:
+        if target in targets and platform not in (rules or {}):
             mlir.register_lowering(
                 local,
                 _ffi_rule(target, drop, handler_applies, reference_lowering),
