@@ -75,17 +75,19 @@ def _starts(sizes: jax.Array) -> jax.Array:
     return jnp.cumsum(sizes) - sizes
 
 
-def realigned_rows(padded_sizes: jax.Array, rows: int) -> tuple[jax.Array, int]:
+def realigned_rows(
+    padded_sizes: jax.Array, rows: int, granule: int = _BLOCK
+) -> tuple[jax.Array, int]:
     """Where each row of the aligned buffer comes from.
 
     ``padded_sizes`` [G]: the groups' rows in ``ragged_dot``'s buffer of
-    ``rows`` rows (multiples of 16, in order). Returns (src [rows out],
-    rows out): row j of a buffer whose groups start at multiples of
-    GROUP_ALIGNMENT holds row src[j] of the input buffer, or zeros where src
-    is out of range.
+    ``rows`` rows (multiples of ``granule``, in order: 16, or 1 for a shard
+    of the buffer's rows). Returns (src [rows out], rows out): row j of a
+    buffer whose groups start at multiples of GROUP_ALIGNMENT holds row
+    src[j] of the input buffer, or zeros where src is out of range.
     """
     count = padded_sizes.shape[0]
-    out_rows = round_up(rows + (GROUP_ALIGNMENT - _BLOCK) * count, GROUP_ALIGNMENT)
+    out_rows = round_up(rows + (GROUP_ALIGNMENT - granule) * count, GROUP_ALIGNMENT)
     sizes = padded_sizes.astype(jnp.int32)
     aligned = (sizes + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT * GROUP_ALIGNMENT
     j = jnp.arange(out_rows, dtype=jnp.int32)
