@@ -30,22 +30,22 @@ def _amax(rng, count):
     return jnp.asarray(rng.uniform(0.5, 40.0, count), jnp.float32)
 
 
-def rows_operands(sizes, seed=0, *, exact=False, extra=16):
+def rows_operands(sizes, seed=0, *, exact=False, extra=16, length=L, n=N):
     """a [1, R, L] (R = the groups' rows + extra), b [G, N, L], amaxes, sizes."""
     rng = np.random.default_rng(seed)
-    a = _side(rng, 1, sum(sizes) + extra, L, exact)
-    b = _side(rng, len(sizes), N, L, exact)
+    a = _side(rng, 1, sum(sizes) + extra, length, exact)
+    b = _side(rng, len(sizes), n, length, exact)
     count = len(sizes)
     sizes = jnp.asarray(sizes, jnp.int32)
     return (*a, _amax(rng, count), *b, _amax(rng, count), sizes)
 
 
-def tokens_operands(sizes, seed=0, *, exact=False, extra=2):
+def tokens_operands(sizes, seed=0, *, exact=False, extra=2, m=M, n=N):
     """a [items, M, 16], b [items, N, 16] (16 tokens per item), amaxes, sizes."""
     rng = np.random.default_rng(seed)
     items = sum(sizes) // 16 + extra
-    a = _side(rng, items, M, 16, exact)
-    b = _side(rng, items, N, 16, exact)
+    a = _side(rng, items, m, 16, exact)
+    b = _side(rng, items, n, 16, exact)
     count = len(sizes)
     sizes = jnp.asarray(sizes, jnp.int32)
     return (*a, _amax(rng, count), *b, _amax(rng, count), sizes)
