@@ -11,10 +11,11 @@ the host and launches one cuBLASLt block-scaled FP4 GEMM per non-empty group
 Each launch takes a slice of the token buffer, so every group must start at
 a multiple of 128 rows (tokens), a whole tile of cuBLASLt's block-scale
 layout. ``ragged_dot`` quantizes in its usual buffer (groups at multiples of
-16, so that every backend draws the same stochastic-rounding bits) and this
-module moves the codes and scales to a buffer with groups at multiples of
-128 (``realigned_rows``, ``realigned_items``), pads them to the handler's
-tiles and lays out the scales: the rows form's as one swizzled matrix (a
+16, so that every backend draws the same stochastic-rounding bits); the
+grouped GEMM primitives' native path (``ops.grouped_matmul``) moves the
+codes and scales to a buffer with groups at multiples of 128
+(``realigned_rows``, ``realigned_items``), and this module pads them to the
+handler's tiles and lays out the scales: the rows form's as one swizzled matrix (a
 group's 128-row tiles are its own), the tokens form's group-major (each
 group's [rows, tokens / 16] block swizzled on its own, ``group_major_scales``),
 since there the groups split the contraction.
@@ -28,8 +29,8 @@ zeros (rows form).
 This path has not run on Blackwell hardware. Tested on CPU: the
 realignment, the layouts, the handler's plan (its launches, offsets and
 zeroed ranges, through the extension's ``plan_grouped_fp4_gemm``) and a
-NumPy emulation of those launches against the grouped GEMM's twin
-(tests/test_blackwell_grouped.py).
+NumPy emulation of those launches, run as the primitives' native path
+against their twins (tests/test_blackwell_grouped.py).
 """
 
 from __future__ import annotations
