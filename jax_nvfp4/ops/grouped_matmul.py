@@ -85,14 +85,12 @@ def _decoded(*operands) -> bool:
 # --- abstract evaluation ---------------------------------------------------------
 
 
-def _rows_abstract(
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin, *, dtype
-):
+def _rows_abstract(a_codes, a_scales, a_amax, b_codes, *_, dtype):
     return jax.core.ShapedArray((a_codes.shape[1], b_codes.shape[1]), dtype)
 
 
 def _tokens_abstract(
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin, *, dtype
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, *_, dtype
 ):
     return jax.core.ShapedArray(
         (sizes.shape[0], a_codes.shape[1], b_codes.shape[1]), dtype
@@ -121,21 +119,10 @@ def _on_handler(a_codes, b_codes) -> bool:
     )
 
 
-def _rows_per_group(
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin, *, dtype
-):
+def _rows_per_group(*operands, dtype):
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin = operands
     if not _on_handler(a_codes, b_codes):
-        return reference.grouped_matmul_rows(
-            a_codes,
-            a_scales,
-            a_amax,
-            b_codes,
-            b_scales,
-            b_amax,
-            sizes,
-            origin,
-            dtype=dtype,
-        )
+        return reference.grouped_matmul_rows(*operands, dtype=dtype)
     rows = a_codes.shape[1]
     row_group = _group_of(sizes, origin[0] + jnp.arange(rows, dtype=jnp.int32))
 
@@ -156,21 +143,10 @@ def _rows_per_group(
     return (acc * row_alpha[:, None]).astype(dtype)
 
 
-def _tokens_per_group(
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin, *, dtype
-):
+def _tokens_per_group(*operands, dtype):
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin = operands
     if not _on_handler(a_codes, b_codes):
-        return reference.grouped_matmul_tokens(
-            a_codes,
-            a_scales,
-            a_amax,
-            b_codes,
-            b_scales,
-            b_amax,
-            sizes,
-            origin,
-            dtype=dtype,
-        )
+        return reference.grouped_matmul_tokens(*operands, dtype=dtype)
     items = a_codes.shape[0]
     item_group = _group_of(
         sizes // BLOCK_SIZE, origin[0] + jnp.arange(items, dtype=jnp.int32)
@@ -215,9 +191,8 @@ def _gemm_dtype(dtype):
 
 
 def _rows_bf16(handler: bool) -> Callable:
-    def body(
-        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin, *, dtype
-    ):
+    def body(*operands, dtype):
+        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin = operands
         local = _local_sizes(sizes, origin[0], a_codes.shape[1])
         return bf16_grouped_gemm.rows(
             reference.operand_bf16(a_codes, a_scales)[0],
@@ -232,9 +207,8 @@ def _rows_bf16(handler: bool) -> Callable:
 
 
 def _tokens_bf16(handler: bool) -> Callable:
-    def body(
-        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin, *, dtype
-    ):
+    def body(*operands, dtype):
+        a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin = operands
         local = _local_sizes(sizes // BLOCK_SIZE, origin[0], a_codes.shape[0])
         return bf16_grouped_gemm.tokens(
             reference.operand_bf16(a_codes, a_scales),
@@ -248,9 +222,8 @@ def _tokens_bf16(handler: bool) -> Callable:
     return body
 
 
-def _rows_native(
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin, *, dtype
-):
+def _rows_native(*operands, dtype):
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin = operands
     # The groups move to multiples of 128 rows for the native GEMM, and back.
     rows, n = a_codes.shape[1], b_codes.shape[1]
     local = _local_sizes(sizes, origin[0], rows)
@@ -270,9 +243,8 @@ def _rows_native(
     return out.astype(dtype)
 
 
-def _tokens_native(
-    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin, *, dtype
-):
+def _tokens_native(*operands, dtype):
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin = operands
     local = _local_sizes(sizes // BLOCK_SIZE, origin[0], a_codes.shape[0])
     local = local * BLOCK_SIZE
     src, _ = fp4_grouped_gemm.realigned_items(local, a_codes.shape[0])
@@ -345,9 +317,7 @@ def _rows_layout(shapes, **_):
             whole,
             (Dim(None), Dim("n"), _codes_dim("k", b_len, blocks)),
             (Dim(None), Dim("n"), Dim("k")),
-            whole,
-            whole,
-            whole,
+            *[whole] * 3,
         ),
         results=((Dim("m"), Dim("n")),),
         sizes={"m": rows, "n": n, "k": blocks},
@@ -368,9 +338,7 @@ def _tokens_layout(shapes, **_):
             whole,
             (Dim("items"), Dim("n"), Dim(None)),
             (Dim("items"), Dim("n"), Dim(None)),
-            whole,
-            whole,
-            whole,
+            *[whole] * 3,
         ),
         results=((Dim(None), Dim("m"), Dim("n")),),
         sizes={"items": items, "m": m, "n": n},
@@ -474,8 +442,8 @@ grouped_matmul_tokens_p = _define(
 # --- the public functions ----------------------------------------------------------
 
 
-def _check(form, a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin):
-    """Shapes and dtypes; returns (sizes int32, origin int32 [1])."""
+def _checked(form, a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin):
+    """The operands, shapes and dtypes checked; sizes int32, origin [1]."""
     count = b_codes.shape[0] if form == "rows" else (np.shape(sizes) or (None,))[0]
     for name, codes, scales in (("a", a_codes, a_scales), ("b", b_codes, b_scales)):
         if codes.ndim != 3 or codes.dtype not in (jnp.uint8, jnp.bfloat16):
@@ -519,7 +487,8 @@ def _check(form, a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, or
     origin = jnp.zeros(1, jnp.int32) if origin is None else origin
     if np.shape(origin) != (1,):
         raise ValueError(f"origin must be int32 [1], got shape {np.shape(origin)}")
-    return jnp.asarray(sizes, jnp.int32), jnp.asarray(origin, jnp.int32)
+    sizes, origin = jnp.asarray(sizes, jnp.int32), jnp.asarray(origin, jnp.int32)
+    return a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin
 
 
 def grouped_matmul_rows(
@@ -527,20 +496,10 @@ def grouped_matmul_rows(
 ):
     """The rows form (module docstring): a [1, R, L] by b [G, N, L] -> [R,
     N] of ``dtype``; amaxes and ``sizes`` [G] (the groups' rows, in order)."""
-    sizes, origin = _check(
+    operands = _checked(
         "rows", a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin
     )
-    return grouped_matmul_rows_p.bind(
-        a_codes,
-        a_scales,
-        a_amax,
-        b_codes,
-        b_scales,
-        b_amax,
-        sizes,
-        origin,
-        dtype=np.dtype(dtype),
-    )
+    return grouped_matmul_rows_p.bind(*operands, dtype=np.dtype(dtype))
 
 
 def grouped_matmul_tokens(
@@ -549,17 +508,7 @@ def grouped_matmul_tokens(
     """The tokens form (module docstring): a [items, M, 16] and b [items, N,
     16] -> [G, M, N] of ``dtype``; amaxes and ``sizes`` [G] (the groups'
     tokens, multiples of 16, in order)."""
-    sizes, origin = _check(
+    operands = _checked(
         "tokens", a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin
     )
-    return grouped_matmul_tokens_p.bind(
-        a_codes,
-        a_scales,
-        a_amax,
-        b_codes,
-        b_scales,
-        b_amax,
-        sizes,
-        origin,
-        dtype=np.dtype(dtype),
-    )
+    return grouped_matmul_tokens_p.bind(*operands, dtype=np.dtype(dtype))
