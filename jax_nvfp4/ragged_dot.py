@@ -18,18 +18,14 @@ group's amaxes; so token blocks and RHT chunks start at each group's first
 row and a group's last block is zero-padded (zeros change neither an amax nor
 a sum). w [G, K, N] is G items, one amax each.
 
-Every GEMM sums without scale (alpha = 1) in float32, then multiplies by
-alpha_g = (A_a / 2688) * (A_b / 2688) of the row's (or dw's) group in float32
-and rounds once to the output dtype: the 2-D GEMM's epilogue. On GPUs that sum
-is one grouped launch on the decoded bfloat16 operands (exact products,
-float32 accumulation; ``backends/bf16_grouped_gemm.py``); on Blackwell, one native FP4
-GEMM per group on the codes (``backends/fp4_grouped_gemm.py``, the groups
-moved to multiples of 128 rows after quantization). On the CPU it is the matmul
-primitive once per group over all rows (other groups' tokens masked), so that
-every sum is the CPU handler's in-order sum and results equal a loop of
-``jax_nvfp4.dot`` over the groups bit for bit -- G times the work, which the
-CPU, the exact reference, can afford. The pure-JAX implementation adds in the
-same order (not with an XLA dot), so it gives the handlers' bits.
+The GEMMs are the grouped GEMM primitives (``ops.grouped_matmul``): rows
+form for FPROP and DGRAD, tokens form for WGRAD. Each sums in float32, then
+multiplies by alpha_g = (A_a / 2688) * (A_b / 2688) of the row's (or dw's)
+group and rounds once to the output dtype: the 2-D GEMM's epilogue. Which
+GEMM runs is chosen when the computation is lowered (``ops.dispatch``); on
+the CPU every sum is the CPU handler's in-order sum, so results equal a loop
+of ``jax_nvfp4.dot`` over the groups bit for bit, and so do the twins
+(``implementation="reference"``).
 
 Stochastic bits: dY's rows follow the element index in the token buffer
 (stream 0), its token-axis copy the items' stored layout [items, N, 16]
@@ -51,8 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4 import ops, reference
-from jax_nvfp4.backends import bf16_grouped_gemm, fp4_grouped_gemm
-from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, is_supported_input_dtype
+from jax_nvfp4.format import BLOCK_SIZE, is_supported_input_dtype
 from jax_nvfp4.ops import dispatch, sharding
 from jax_nvfp4.quantize import implementation_ops, key_words
 from jax_nvfp4.recipe import (
@@ -67,36 +62,13 @@ from jax_nvfp4.recipe import (
 
 __all__ = ["ragged_dot"]
 
-# Tests set this to run the GPUs' grouped GEMM on the CPU (its pure-JAX
-# twin, ragged_dot_general on the decoded operands).
-_FORCE_RAGGED_GEMM = False
-
-# How the GEMMs run: once per group with the CPU handler's in-order sums
-# (exact reference); as one grouped launch on the decoded operands: the
-# CUDA handler, or its twin (backends/bf16_grouped_gemm.py); or, on Blackwell, one
-# native FP4 GEMM per group on the codes (backends/fp4_grouped_gemm.py).
-PER_GROUP, RAGGED_TWIN, GROUPED_HANDLER = "per_group", "xla_ragged", "bf16_handler"
-NATIVE_FP4 = "native_fp4"
-
-
-def _gemm_form() -> str:
-    return dispatch.grouped_path(on_gpu=True if _FORCE_RAGGED_GEMM else None)
-
-
-def _decoded_gemm(gemm: str) -> bool:
-    """Whether the GEMMs read decoded bfloat16 operands (so the fused
-    quantize may write them decoded)."""
-    return dispatch.grouped_decoded_operands(gemm)
-
 
 class _Groups(NamedTuple):
-    """Where each row goes. ``row_group`` [T]: the row's group, G past the
-    sum; ``dest`` [T]: its row in the token buffer (out of range past the
-    sum); ``item_group`` [items]: the group of each 16-row block of the
-    buffer (G for the unused tail); ``padded_sizes`` [G]: the sizes rounded
-    up to 16, the buffer's group sizes."""
+    """Where each row goes. ``dest`` [T]: its row in the token buffer (out
+    of range past the sum); ``item_group`` [items]: the group of each 16-row
+    block of the buffer (G for the unused tail); ``padded_sizes`` [G]: the
+    sizes rounded up to 16, the buffer's group sizes."""
 
-    row_group: jax.Array
     dest: jax.Array
     item_group: jax.Array
     padded_sizes: jax.Array
@@ -119,7 +91,7 @@ def _groups(group_sizes, tokens: int) -> _Groups:
     dest = jnp.where(dest < 0, buffer_rows, dest)  # dropped by scatters
     blocks = jnp.arange(0, buffer_rows, BLOCK_SIZE, dtype=jnp.int32)
     item_group = jnp.searchsorted(padded_ends, blocks, side="right")
-    return _Groups(row_group, dest, item_group.astype(jnp.int32), padded, buffer_rows)
+    return _Groups(dest, item_group.astype(jnp.int32), padded, buffer_rows)
 
 
 def _to_buffer(a, groups: _Groups):
@@ -233,160 +205,48 @@ def _quantize_w(w, recipe):
     )
 
 
-def _alpha(a_amax, b_amax):
-    """alpha_g = (A_a / 2688) * (A_b / 2688) [G], the GEMM's (IEEE division)."""
-    r = jnp.float32(SCALE_RANGE)
-    return reference.divide(a_amax, r) * reference.divide(b_amax, r)
-
-
-# Both amaxes 2688 make the matmul primitive's alpha exactly 1: it returns
-# the unscaled float32 sums.
-_UNIT_AMAX = np.full((1,), SCALE_RANGE, np.float32)
-
-
-def _in_order_sums(a, b):
-    """sum_k a[m, k] * b[n, k] for float32 a [m, L], b [n, L] (exact
-    products), added in order k = 0, 1, ... from +0 in one float32
-    accumulator: the CPU handler's sums in pure JAX, where an XLA dot may
-    add in another order. One fused pass over the accumulator per 16 k."""
-    m, length = a.shape
-    blocks = (length // BLOCK_SIZE, BLOCK_SIZE)
-    a = jnp.moveaxis(a.reshape(m, *blocks), 1, 0)
-    b = jnp.moveaxis(b.reshape(b.shape[0], *blocks), 1, 0)
-
-    def add_block(acc, block):
-        a16, b16 = block
-        for j in range(BLOCK_SIZE):
-            acc = acc + a16[:, j, None] * b16[None, :, j]
-        return acc, None
-
-    # The first block outside the scan: its accumulator then carries the
-    # operands' shard_map variance (a constant zero carry would not).
-    acc = add_block(jnp.zeros((m, b.shape[1]), jnp.float32), (a[0], b[0]))[0]
-    return lax.scan(add_block, acc, (a[1:], b[1:]))[0]
-
-
-def _sums(implementation, a_values, a_scales, b_values, b_scales):
-    """Unscaled in-order float32 sums [m, n] of a [1, m, L] and b [1, n, L]
-    (stored operands): the CPU handler, or its pure-JAX twin."""
-    if implementation == "ffi":
-        unit = jnp.asarray(_UNIT_AMAX)
-        return ops.matmul(
-            a_values, a_scales, unit, b_values, b_scales, unit, dtype=jnp.float32
-        )[0]
-    a = reference.operand_bf16(a_values, a_scales)[0].astype(jnp.float32)
-    b = reference.operand_bf16(b_values, b_scales)[0].astype(jnp.float32)
-    return _in_order_sums(a, b)
-
-
-def _rows_gemm(a: _Operand, b: _Operand, groups, recipe, gemm, out_dtype):
+def _rows_gemm(a: _Operand, b: _Operand, groups, recipe, out_dtype):
     """Row-grouped: a's buffer rows [1, buffer rows, k] of group g times b[g]
     (stored [G, n, k]) -> [T, n] of ``out_dtype`` in x's row order."""
-    count, n = b.values.shape[:2]
-    if gemm == NATIVE_FP4:
-        # Groups moved to multiples of 128 rows for the native GEMM, and back.
-        src, _ = fp4_grouped_gemm.realigned_rows(
-            groups.padded_sizes, groups.buffer_rows
-        )
-        out = fp4_grouped_gemm.rows(
-            fp4_grouped_gemm.take(a.values[0], src),
-            fp4_grouped_gemm.take(a.scales[0], src),
-            a.amax,
-            b.values,
-            b.scales,
-            b.amax,
-            fp4_grouped_gemm.aligned_sizes(groups.padded_sizes),
-            out_dtype,
-        )
-        buffer = jnp.zeros((groups.buffer_rows, n), out.dtype)
-        return _from_buffer(buffer.at[src].set(out, mode="drop"), groups)
-    if gemm != PER_GROUP:
-        out = bf16_grouped_gemm.rows(
-            reference.operand_bf16(a.values, a.scales)[0],
-            reference.operand_bf16(b.values, b.scales),
-            groups.padded_sizes,
-            _alpha(a.amax, b.amax),
-            out_dtype,
-            handler=gemm == GROUPED_HANDLER,
-        )
-        return _from_buffer(out, groups)
-    row_group = jnp.repeat(groups.item_group, BLOCK_SIZE)
-
-    def one_group(g, acc):
-        sums = _sums(
-            recipe.implementation,
-            a.values,
-            a.scales,
-            lax.dynamic_index_in_dim(b.values, g),
-            lax.dynamic_index_in_dim(b.scales, g),
-        )
-        return jnp.where((row_group == g)[:, None], sums, acc)
-
-    # Group 0 outside the loop: the carry then has the operands' variance
-    # inside shard_map (a constant zero carry would not).
-    acc = one_group(0, jnp.zeros((groups.buffer_rows, n), jnp.float32))
-    acc = lax.fori_loop(1, count, one_group, acc)
-    alpha = _per_item(_alpha(a.amax, b.amax), groups.row_group)
-    return (_from_buffer(acc, groups) * alpha[:, None]).astype(out_dtype)
+    impl = implementation_ops(recipe.implementation)
+    out = impl.grouped_matmul_rows(
+        a.values,
+        a.scales,
+        a.amax,
+        b.values,
+        b.scales,
+        b.amax,
+        groups.padded_sizes,
+        dtype=out_dtype,
+    )
+    return _from_buffer(out, groups)
 
 
-def _tokens_gemm(a: _Operand, b: _Operand, groups, recipe, gemm, out_dtype):
+def _tokens_gemm(a: _Operand, b: _Operand, groups, recipe, out_dtype):
     """Token-grouped (WGRAD): dw[g] = sum over group g's tokens of a's
     column-wise copy [items, k, 16] times b's [items, n, 16] -> [G, k, n]."""
-    count = a.amax.shape[0]
-    if gemm == NATIVE_FP4:
-        src, _ = fp4_grouped_gemm.realigned_items(
-            groups.padded_sizes, a.values.shape[0]
-        )
-        take = fp4_grouped_gemm.take
-        return fp4_grouped_gemm.tokens(
-            take(a.values, src),
-            take(a.scales, src),
-            a.amax,
-            take(b.values, src),
-            take(b.scales, src),
-            b.amax,
-            fp4_grouped_gemm.aligned_sizes(groups.padded_sizes),
-            out_dtype,
-        )
-    if gemm != PER_GROUP:
-        return bf16_grouped_gemm.tokens(
-            reference.operand_bf16(a.values, a.scales),
-            reference.operand_bf16(b.values, b.scales),
-            groups.padded_sizes,
-            _alpha(a.amax, b.amax),
-            out_dtype,
-            handler=gemm == GROUPED_HANDLER,
-        )
+    impl = implementation_ops(recipe.implementation)
+    return impl.grouped_matmul_tokens(
+        a.values,
+        a.scales,
+        a.amax,
+        b.values,
+        b.scales,
+        b.amax,
+        groups.padded_sizes,
+        dtype=out_dtype,
+    )
 
-    def stored(t):  # [items, F, l] -> [1, F, items * l]: tokens last
-        return jnp.swapaxes(t, 0, 1).reshape(1, t.shape[1], -1)
 
-    a_values, a_scales = stored(a.values), stored(a.scales)
-    b_values, b_scales = stored(b.values), stored(b.scales)
-    code_bytes = a.values.shape[-1]
-
-    def one_group(g):
-        # Other groups' blocks become zero codes and scales, in both
-        # operands so that their NaN blocks add nothing; zeros leave an
-        # in-order sum from +0 unchanged.
-        block = groups.item_group == g
-        byte = jnp.repeat(block, code_bytes)
-
-        def mask(t, keep):
-            return jnp.where(keep, t, jnp.zeros((), t.dtype))
-
-        return _sums(
-            recipe.implementation,
-            mask(a_values, byte),
-            mask(a_scales, block),
-            mask(b_values, byte),
-            mask(b_scales, block),
-        )
-
-    acc = lax.map(one_group, jnp.arange(count, dtype=jnp.int32))
-    alpha = _alpha(a.amax, b.amax)
-    return (acc * alpha[:, None, None]).astype(out_dtype)
+def _ragged_numbers(lhs_contracting: int, rhs_contracting: int, rhs_group):
+    """``lax.ragged_dot_general``'s dimension numbers: x's rows ragged, no
+    batch axes; ``rhs_group`` [0] for a group axis of the rhs, [] when the
+    contraction is the ragged axis."""
+    return lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((lhs_contracting,), (rhs_contracting,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=rhs_group,
+    )
 
 
 def _plain_rows(a, w, group_sizes, out_dtype=None, *, transpose_w=False):
@@ -396,7 +256,7 @@ def _plain_rows(a, w, group_sizes, out_dtype=None, *, transpose_w=False):
         a,
         w,
         group_sizes,
-        bf16_grouped_gemm.ragged_numbers(1, 2 if transpose_w else 1, [0]),
+        _ragged_numbers(1, 2 if transpose_w else 1, [0]),
         preferred_element_type=out_dtype,
     )
 
@@ -412,8 +272,9 @@ def _ragged(x, w, group_sizes, words, recipe, static):
 
 
 def _ragged_fwd(x, w, group_sizes, words, recipe, static):
-    """static: (input dtype, output dtype, the GEMMs' form)."""
-    _, out_dtype, gemm = static
+    """static: (input dtype, output dtype, whether the GEMM-only
+    quantizations write decoded operands)."""
+    _, out_dtype, decoded = static
     count = w.shape[0]
     groups = _groups(group_sizes, x.shape[0])
     x_rows, x_cols = None, None
@@ -427,12 +288,12 @@ def _ragged_fwd(x, w, group_sizes, words, recipe, static):
             cols=recipe.wgrad,
             stochastic=False,
             words=jnp.asarray(_NO_KEY),
-            ragged=_decoded_gemm(gemm),
+            ragged=decoded,
             decoded_cols=False,  # x's column-wise copy is the residual
         )
     w_along_k, w_along_n = _quantize_w(w, recipe)
     if recipe.fprop:
-        out = _rows_gemm(x_rows, w_along_k, groups, recipe, gemm, out_dtype)
+        out = _rows_gemm(x_rows, w_along_k, groups, recipe, out_dtype)
     else:
         out = _plain_rows(
             x, w, group_sizes, None if out_dtype == x.dtype else out_dtype
@@ -450,7 +311,7 @@ def _ragged_fwd(x, w, group_sizes, words, recipe, static):
 
 
 def _ragged_bwd(recipe, static, residuals, dy):
-    in_dtype, _, gemm = static
+    in_dtype, _, decoded = static
     x_saved, w_saved, group_sizes, x_sizes, words = residuals
     count = group_sizes.shape[0]
     groups = _groups(group_sizes, dy.shape[0])
@@ -463,17 +324,17 @@ def _ragged_bwd(recipe, static, residuals, dy):
         cols=recipe.wgrad,
         stochastic=recipe.stochastic_rounding,
         words=words,
-        ragged=_decoded_gemm(gemm),
+        ragged=decoded,
         decoded_cols=True,  # dY's column-wise copy feeds WGRAD only
     )
     if recipe.dgrad:
-        dx = _rows_gemm(dy_rows, w_saved, groups, recipe, gemm, in_dtype)
+        dx = _rows_gemm(dy_rows, w_saved, groups, recipe, in_dtype)
     else:
         dx = _plain_rows(
             dy.astype(w_saved.dtype), w_saved, group_sizes, transpose_w=True
         )
     if recipe.wgrad:
-        dw = _tokens_gemm(x_saved, dy_cols, groups, recipe, gemm, in_dtype)
+        dw = _tokens_gemm(x_saved, dy_cols, groups, recipe, in_dtype)
         # A remat policy may keep x's residual from the forward pass while
         # the routing, and so dY's row order, is recomputed; if the
         # recomputation routed differently (a token near a tie), x's rows no
@@ -486,7 +347,7 @@ def _ragged_bwd(recipe, static, residuals, dy):
             x_saved,
             dy.astype(x_saved.dtype),
             group_sizes,
-            bf16_grouped_gemm.ragged_numbers(0, 0, []),
+            _ragged_numbers(0, 0, []),
         )
     return dx.astype(in_dtype), dw.astype(in_dtype), None, None
 
@@ -620,7 +481,8 @@ def ragged_dot(
             x, w, group_sizes, preferred_element_type=preferred_element_type
         )
     _refuse_forward_mode(x, w)
-    static = (jnp.dtype(x.dtype), out_dtype, _gemm_form())
+    decoded = dispatch.grouped_decoded_operands()
+    static = (jnp.dtype(x.dtype), out_dtype, decoded)
 
     def run(x, w, group_sizes, key):
         if recipe.needs_key and key is None:

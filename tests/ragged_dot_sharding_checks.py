@@ -1,9 +1,12 @@
-"""ragged_dot under sharding on 4 virtual CPU devices, against one device;
-run in a subprocess by tests/test_ragged_dot_sharding.py (XLA_FLAGS is read
-when JAX starts). Prints one JSON object: {check: true/false}."""
+"""ragged_dot and its grouped GEMM primitives under sharding on 4 virtual
+CPU devices, against one device; run in a subprocess by
+tests/test_ragged_dot_sharding.py (XLA_FLAGS is read when JAX starts).
+Prints one JSON object: {check: true/false}."""
 
+import functools
 import json
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -11,10 +14,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+# The tests' shared operands (this script's folder is on sys.path).
+from grouped_cases import ROWS, TOKENS, rows_operands, tokens_operands  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_nvfp4 as nv  # noqa: E402
+from jax_nvfp4 import ops  # noqa: E402
 
 try:
     shard_map = jax.shard_map
@@ -37,6 +44,56 @@ def equal(a, b) -> bool:
     )
 
 
+def gathers(compiled_text):
+    """The all-gathers of a compiled module."""
+    return [
+        line
+        for line in compiled_text.splitlines()
+        if re.search(r"= .*all-gather(-start)?\(", line)
+    ]
+
+
+# Which operands carry each factor, and the dimension (the rows form:
+# a codes, a scales, a amax, b codes, b scales, b amax, sizes; the tokens
+# form likewise).
+FACTORS = {
+    "rows": {"m": {0: 1, 1: 1}, "n": {3: 1, 4: 1}, "k": {0: 2, 1: 2, 3: 2, 4: 2}},
+    "tokens": {"items": {0: 0, 1: 0, 3: 0, 4: 0}, "m": {0: 1, 1: 1}, "n": {3: 1, 4: 1}},
+}
+
+
+def primitive_checks(mesh):
+    """Each form partitioned along each of its factors equals one device bit
+    for bit (operands whose sums are exact where the contraction is split:
+    the partial sums' psum then adds exactly), with no all-gather."""
+    out = {}
+    for form, factors in FACTORS.items():
+        if form == "rows":
+            fn = ops.grouped_matmul_rows
+            # 96 rows (groups crossing the shards' boundaries), K 64: 4 blocks.
+            operands = functools.partial(
+                rows_operands, ROWS["unaligned"], extra=26, length=64
+            )
+        else:
+            fn = ops.grouped_matmul_tokens
+            operands = functools.partial(tokens_operands, TOKENS["unbalanced"])
+        for factor, dims in factors.items():
+            split = factor in ("k", "items")
+            args = operands(seed=len(factor), exact=split)
+            placed = []
+            for i, a in enumerate(args):
+                spec = [None] * a.ndim
+                if i in dims:
+                    spec[dims[i]] = "d"
+                placed.append(jax.device_put(a, NamedSharding(mesh, P(*spec))))
+            run = jax.jit(functools.partial(fn, dtype=jnp.float32))
+            one = jax.jit(functools.partial(fn, dtype=jnp.float32))(*args)
+            got = run(*placed)
+            text = run.lower(*placed).compile().as_text()
+            out[f"{form}_{factor}"] = equal([one], [got]) and not gathers(text)
+    return out
+
+
 def main():
     auto = (jax.sharding.AxisType.Auto,)
     mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=auto)
@@ -45,7 +102,7 @@ def main():
     w = jax.random.normal(keys[1], (G, K, N), jnp.float32)
     dy = jax.random.normal(keys[2], (T, N), jnp.float32)
     sizes = jnp.array([40, 24, 0, 32, 50, 30, 48, 32], jnp.int32)
-    out = {}
+    out = primitive_checks(mesh)
 
     # Data parallel: tokens sharded under jit, the weights replicated.
     one = jax.jit(step)(x, w, dy, sizes, KEY)

@@ -2,25 +2,23 @@
 realigned token buffer, the group-major scale layout, the handler's plan
 (its launches, offsets and zeroed ranges, C++ through
 jax_nvfp4._ffi_testing; tested on their own in tests/cpp) and a NumPy
-emulation of those launches, run inside ``ragged_dot`` against the exact
-per-group path. The handler itself has not run on Blackwell hardware."""
+emulation of those launches, run as the grouped GEMM primitives' native
+path against their twins. The handler itself has not run on Blackwell
+hardware."""
 
-import importlib
+import functools
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import outlier_data
+from grouped_cases import DTYPES, ROWS, TOKENS, rows_operands, tokens_operands
 
-import jax_nvfp4 as nv
-from jax_nvfp4 import config
+from jax_nvfp4 import config, reference
 from jax_nvfp4.backends import fp4_gemm, fp4_grouped_gemm, library
 from jax_nvfp4.format import E2M1_VALUES
-from jax_nvfp4.ops import dispatch
-
-grouped = importlib.import_module("jax_nvfp4.ragged_dot")
+from jax_nvfp4.ops import dispatch, grouped_matmul
 
 try:
     from jax_nvfp4 import _ffi_testing
@@ -101,8 +99,8 @@ def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
 
     for x in plan["launches"]:
         m, n, k, ld, g = x["m"], x["n"], x["k"], x["ld"], x["group"]
-        a = matrix(a_codes, a_scales, x["a"], x["a_scales"], m, k, ld)
-        b = matrix(b_codes, b_scales, x["b"], x["b_scales"], n, k, ld)
+        a = matrix(a_codes, a_scales, x["a_codes"], x["a_scales"], m, k, ld)
+        b = matrix(b_codes, b_scales, x["b_codes"], x["b_scales"], n, k, ld)
         alpha = (np.float32(a_amax[g]) / np.float32(2688)) * (
             np.float32(b_amax[g]) / np.float32(2688)
         )
@@ -112,8 +110,8 @@ def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
 
 
 def _emulated_call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form):
-    """fp4_grouped_gemm._call with the handler replaced by its plan (C++,
-    through jax_nvfp4._ffi_testing) and the emulation, on the host."""
+    """fp4_grouped_gemm._call with the handler replaced by its plan (the
+    extension's) and the emulation, on the host."""
 
     def host(*args):
         *ops, sizes, a_amax, b_amax = (np.asarray(a) for a in args)
@@ -134,40 +132,60 @@ def _emulated_call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form
     )
 
 
+def _body(form, path, dtype):
+    return jax.jit(
+        functools.partial(grouped_matmul.lowering_body(form, path), dtype=dtype)
+    )
+
+
+def _origin(start=0):
+    return jnp.asarray([start], jnp.int32)
+
+
+FORMS = {
+    "rows": (reference.grouped_matmul_rows, rows_operands, ROWS["unaligned"]),
+    "tokens": (reference.grouped_matmul_tokens, tokens_operands, TOKENS["unbalanced"]),
+}
+
+
+def _bits_equal(a, b):
+    np.testing.assert_array_equal(
+        np.asarray(a, np.float32), np.asarray(b, np.float32), strict=True
+    )
+
+
 @needs_plan
-@pytest.mark.parametrize("recipe", [nv.NVFP4_NO_SR, nv.NVFP4], ids=["nearest", "sr"])
-def test_ragged_dot_on_the_emulated_handler(recipe, monkeypatch):
-    """ragged_dot's native path (realigned buffer, operands, plan) with the
-    emulated handler gives the exact per-group path's y, dx and dw up to
-    float32 summation order: unbalanced groups, an empty one, sizes off
-    multiples of 16, rows past the groups."""
-    sizes = jnp.asarray([20, 0, 150, 17], jnp.int32)
-    x = outlier_data(3, (200, 48), jnp.float32)
-    w = outlier_data(4, (4, 48, 32), jnp.float32) * 0.1
-    dy = outlier_data(5, (200, 32), jnp.float32)
-    key = jax.random.key(9)
-
-    def step():
-        @jax.jit
-        def run(x, w, dy):
-            y, vjp = jax.vjp(
-                lambda a, b: nv.ragged_dot(a, b, sizes, key=key, recipe=recipe), x, w
-            )
-            return (y, *vjp(dy))
-
-        return run(x, w, dy)
-
-    monkeypatch.setattr(grouped, "_gemm_form", lambda: grouped.PER_GROUP)
-    want = step()
-    monkeypatch.setattr(grouped, "_gemm_form", lambda: grouped.NATIVE_FP4)
+@pytest.mark.parametrize("dtype", [*DTYPES, jnp.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_native_path_on_the_emulated_handler(form, dtype, monkeypatch):
+    """The grouped GEMM's native path (ops.grouped_matmul's body: groups
+    realigned to 128 rows, padded operands, swizzled scales, the handler's
+    plan) with the emulated handler equals the twin on operands whose sums
+    are exact: unbalanced groups, an empty one, rows off multiples of 16,
+    rows past the groups; and on a shard of the buffer (an origin off the
+    groups' starts)."""
     monkeypatch.setattr(fp4_grouped_gemm, "_call", _emulated_call)
-    got = step()
-    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
-        a, b = np.asarray(a), np.asarray(b)
-        scale = float(np.max(np.abs(b)))
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale, err_msg=name)
-    assert not np.asarray(got[2][1]).any()  # the empty group's dw
-    assert not np.asarray(got[0][187:]).any()  # rows past the groups
+    twin, operands, sizes = FORMS[form]
+    args = list(operands(sizes, seed=12, exact=True))
+    got = _body(form, "native_fp4", dtype)(*args, _origin())
+    want = jax.jit(functools.partial(twin, dtype=dtype))(*args)
+    used = sum(sizes)  # rows past the groups are unspecified
+    _bits_equal(
+        got[:used] if form == "rows" else got, want[:used] if form == "rows" else want
+    )
+    start, stop = (24, 64) if form == "rows" else (3, 6)
+    if form == "rows":
+        args[0], args[1] = args[0][:, start:stop], args[1][:, start:stop]
+    else:
+        for i in (0, 1, 3, 4):
+            args[i] = args[i][start:stop]
+    got = _body(form, "native_fp4", dtype)(*args, _origin(start))
+    want = jax.jit(functools.partial(twin, dtype=dtype))(*args, _origin(start))
+    if form == "rows":
+        got, want = got[: used - start], want[: used - start]
+    _bits_equal(got, want)
+    if form == "tokens":
+        assert not np.asarray(got[1], np.float32).any()  # the empty group
 
 
 def test_supported_needs_its_target_and_a_blackwell_gpu(monkeypatch):
@@ -179,9 +197,9 @@ def test_supported_needs_its_target_and_a_blackwell_gpu(monkeypatch):
     monkeypatch.setattr(library, "registered_targets", lambda: both)
     assert fp4_grouped_gemm.supported(gpu)
     assert not fp4_grouped_gemm.supported(hopper)
-    assert dispatch.grouped_path([gpu], on_gpu=True) == "native_fp4"
+    assert dispatch.grouped_path([gpu]) == "native_fp4"
     with config.override(native_gemm=False):  # the dispatcher's switch
-        assert dispatch.grouped_path([gpu], on_gpu=True) != "native_fp4"
+        assert dispatch.grouped_path([gpu]) != "native_fp4"
     only_2d = {"cuda": frozenset({fp4_gemm.TARGET})}
     monkeypatch.setattr(library, "registered_targets", lambda: only_2d)
     assert not fp4_grouped_gemm.supported(gpu)

@@ -1,10 +1,10 @@
 """jax_nvfp4.ragged_dot: the recipe per group (mixture of experts) against a
-loop of the 2-D recipe (``jax_nvfp4.dot``) over the groups, the GPUs' ragged
-GEMM path (forced on the CPU), stochastic rounding, the recipe switches,
-traced group sizes, errors and a small training run."""
+loop of the 2-D recipe (``jax_nvfp4.dot``) over the groups, decoded GEMM
+operands, stochastic rounding, the recipe switches, traced group sizes,
+errors and a small training run. The grouped GEMM's paths:
+tests/test_grouped_matmul.py."""
 
 import dataclasses
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +15,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jax_nvfp4 as nv
 from jax_nvfp4.backends import bf16_grouped_gemm
+from jax_nvfp4.ops import dispatch
 from jax_nvfp4.recipe import MISSING_KEY_MESSAGE
-
-grouped = importlib.import_module("jax_nvfp4.ragged_dot")
 
 K, N = 48, 32
 # Unbalanced, an empty group, sizes off multiples of 16 / all rows in one group.
@@ -122,21 +121,16 @@ def test_non_finite_stays_in_its_group():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_ragged_gemm_path(dtype, monkeypatch):
-    """The GPUs' path (one ragged_dot_general on the decoded bfloat16
-    operands, alpha per group after; for bfloat16 the fused quantize writes
-    those operands) forced on the CPU: the same quantized operands, so the
-    results differ from the loop's at most by float32 accumulation order
-    (|error| <= K * 2^-23 * sum |terms| before the output rounding)."""
-    monkeypatch.setattr(grouped, "_FORCE_RAGGED_GEMM", True)
+def test_decoded_operands_give_the_same_bits(dtype, monkeypatch):
+    """Where the dispatcher asks for decoded GEMM operands (the GPUs' bf16
+    GEMMs read them), the fused quantize writes bfloat16 values for bfloat16
+    inputs (x's rows, both of dY's copies) and every GEMM takes them: on the
+    CPU the results are the loop's bit for bit, as with codes."""
+    monkeypatch.setattr(dispatch, "grouped_decoded_operands", lambda: True)
     sizes = SIZES["unbalanced"]
     x, w, dy = _operands(sizes, dtype, seed=3)
     got = _ragged_step(nv.NVFP4_NO_SR)(x, w, sizes, dy)
-    want = _loop_step(nv.NVFP4_NO_SR, sizes)(x, w, dy)
-    ulp = 2**-7 if dtype == jnp.bfloat16 else 0.0
-    for a, b in zip(got, want, strict=True):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        np.testing.assert_allclose(a, b, rtol=ulp + 1e-5, atol=1e-5 * np.abs(b).max())
+    _assert_equal(got, _loop_step(nv.NVFP4_NO_SR, sizes)(x, w, dy))
     assert not np.any(np.asarray(got[2][1], np.float32))  # the empty group
 
 

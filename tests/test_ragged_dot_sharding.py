@@ -1,9 +1,11 @@
-"""jax_nvfp4.ragged_dot sharded on 4 virtual CPU devices equals one device
-bit for bit (tests/ragged_dot_sharding_checks.py, run in a subprocess):
-data parallel (tokens sharded under jit; per-expert amaxes over all shards),
-on Auto and on Explicit mesh axes, and expert parallel (experts sharded in
-shard_map, each device its experts' rows in a padded capacity buffer, forward
-and gradients)."""
+"""jax_nvfp4.ragged_dot and its grouped GEMM primitives sharded on 4 virtual
+CPU devices equal one device bit for bit (tests/ragged_dot_sharding_checks.py,
+run in a subprocess): each primitive partitioned along each of its axes,
+without an all-gather (rows form: buffer rows, N, the contraction; tokens
+form: the items, M, N); ragged_dot data parallel (tokens sharded under jit;
+per-expert amaxes over all shards), on Auto and on Explicit mesh axes, and
+expert parallel (experts sharded in shard_map, each device its experts' rows
+in a padded capacity buffer, forward and gradients)."""
 
 import pathlib
 
@@ -16,6 +18,14 @@ SCRIPT = pathlib.Path(__file__).with_name("ragged_dot_sharding_checks.py")
 @pytest.fixture(scope="module")
 def results():
     return run_on_virtual_cpus(SCRIPT, 4)
+
+
+@pytest.mark.parametrize(
+    "check",
+    ["rows_m", "rows_n", "rows_k", "tokens_items", "tokens_m", "tokens_n"],
+)
+def test_partitioned_primitive_equals_one_device(results, check):
+    assert results[check], check
 
 
 @pytest.mark.parametrize("check", ["data_parallel", "explicit_axes", "expert_parallel"])

@@ -4,7 +4,8 @@ rounding to the output dtype in the epilogue.
 
 Two forms on the token buffer of ``jax_nvfp4.ragged_dot`` (every group starts at
 a multiple of 16 rows; ``sizes`` [G] are the groups' rows there, multiples of
-16):
+16 in the tokens form), the CUDA paths of the ``ops.grouped_matmul``
+primitives:
 
 * ``rows`` (FPROP, DGRAD): out[r] = alpha[g] * a[r] . b[g]^T for the rows r
   of group g; a [R, L], b [G, N, L] -> [R, N].

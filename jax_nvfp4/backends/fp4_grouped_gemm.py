@@ -11,10 +11,11 @@ the host and launches one cuBLASLt block-scaled FP4 GEMM per non-empty group
 Each launch takes a slice of the token buffer, so every group must start at
 a multiple of 128 rows (tokens), a whole tile of cuBLASLt's block-scale
 layout. ``ragged_dot`` quantizes in its usual buffer (groups at multiples of
-16, so that every backend draws the same stochastic-rounding bits) and this
-module moves the codes and scales to a buffer with groups at multiples of
-128 (``realigned_rows``, ``realigned_items``), pads them to the handler's
-tiles and lays out the scales: the rows form's as one swizzled matrix (a
+16, so that every backend draws the same stochastic-rounding bits); the
+grouped GEMM primitives' native path (``ops.grouped_matmul``) moves the
+codes and scales to a buffer with groups at multiples of 128
+(``realigned_rows``, ``realigned_items``), and this module pads them to the
+handler's tiles and lays out the scales: the rows form's as one swizzled matrix (a
 group's 128-row tiles are its own), the tokens form's group-major (each
 group's [rows, tokens / 16] block swizzled on its own, ``group_major_scales``),
 since there the groups split the contraction.
@@ -28,8 +29,8 @@ zeros (rows form).
 This path has not run on Blackwell hardware. Tested on CPU: the
 realignment, the layouts, the handler's plan (its launches, offsets and
 zeroed ranges, through the extension's ``plan_grouped_fp4_gemm``) and a
-NumPy emulation of those launches against the grouped GEMM's twin
-(tests/test_blackwell_grouped.py).
+NumPy emulation of those launches, run as the primitives' native path
+against their twins (tests/test_blackwell_grouped.py).
 """
 
 from __future__ import annotations
@@ -75,17 +76,19 @@ def _starts(sizes: jax.Array) -> jax.Array:
     return jnp.cumsum(sizes) - sizes
 
 
-def realigned_rows(padded_sizes: jax.Array, rows: int) -> tuple[jax.Array, int]:
+def realigned_rows(
+    padded_sizes: jax.Array, rows: int, granule: int = _BLOCK
+) -> tuple[jax.Array, int]:
     """Where each row of the aligned buffer comes from.
 
     ``padded_sizes`` [G]: the groups' rows in ``ragged_dot``'s buffer of
-    ``rows`` rows (multiples of 16, in order). Returns (src [rows out],
-    rows out): row j of a buffer whose groups start at multiples of
-    GROUP_ALIGNMENT holds row src[j] of the input buffer, or zeros where src
-    is out of range.
+    ``rows`` rows (multiples of ``granule``, in order: 16, or 1 for a shard
+    of the buffer's rows). Returns (src [rows out], rows out): row j of a
+    buffer whose groups start at multiples of GROUP_ALIGNMENT holds row
+    src[j] of the input buffer, or zeros where src is out of range.
     """
     count = padded_sizes.shape[0]
-    out_rows = round_up(rows + (GROUP_ALIGNMENT - _BLOCK) * count, GROUP_ALIGNMENT)
+    out_rows = round_up(rows + (GROUP_ALIGNMENT - granule) * count, GROUP_ALIGNMENT)
     sizes = padded_sizes.astype(jnp.int32)
     aligned = (sizes + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT * GROUP_ALIGNMENT
     j = jnp.arange(out_rows, dtype=jnp.int32)

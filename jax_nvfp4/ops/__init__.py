@@ -1,12 +1,19 @@
 """The primitive layer: one module per primitive family (``quantize``,
-``amax``, ``dequantize``, ``decode``, ``matmul``, ``w4a16_matmul``) on the
-handlers' rank-3 layout ``[batch, m, k]``, built by ``primitive.define``
-with shared ``batching`` and ``sharding`` helpers. ``jax_nvfp4.reference``
-has functions of the same names and signatures (the pure-JAX twins)."""
+``amax``, ``dequantize``, ``decode``, ``matmul``, ``grouped_matmul``,
+``w4a16_matmul``) on the handlers' rank-3 layout ``[batch, m, k]``, built by
+``primitive.define`` with shared ``batching`` and ``sharding`` helpers.
+``jax_nvfp4.reference`` has functions of the same names and signatures (the
+pure-JAX twins)."""
 
 from jax_nvfp4.ops.amax import abs_max, abs_max_p, amax, amax_p
 from jax_nvfp4.ops.decode import decode_bf16, decode_bf16_p
 from jax_nvfp4.ops.dequantize import dequantize, dequantize_p
+from jax_nvfp4.ops.grouped_matmul import (
+    grouped_matmul_rows,
+    grouped_matmul_rows_p,
+    grouped_matmul_tokens,
+    grouped_matmul_tokens_p,
+)
 from jax_nvfp4.ops.matmul import matmul, matmul_p
 from jax_nvfp4.ops.quantize import (
     Place,
@@ -33,6 +40,10 @@ __all__ = [
     "dequantize",
     "dequantize_p",
     "fused_writes_values",
+    "grouped_matmul_rows",
+    "grouped_matmul_rows_p",
+    "grouped_matmul_tokens",
+    "grouped_matmul_tokens_p",
     "matmul",
     "matmul_p",
     "quantize_cols",

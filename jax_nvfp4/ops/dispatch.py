@@ -12,12 +12,13 @@ Dense GEMM (the matmul primitive), chosen when lowered for CUDA
 3. ``"xla_bf16"``: the same decode and XLA's bf16 GEMM, alpha after
    (``reference.matmul_dequantize_bf16``), where neither handler applies.
 
-Grouped GEMM (``ragged_dot``), chosen when traced (``grouped_path``):
-``"per_group"`` (the CPU handler's in-order sums once per group, the exact
-reference), ``"bf16_handler"`` (one grouped launch on the decoded operands,
-``bf16_grouped_gemm``), ``"xla_ragged"`` (XLA's ``ragged_dot_general`` on the
-same operands) or ``"native_fp4"`` (one FP4 GEMM per group on the codes,
-``fp4_grouped_gemm``).
+Grouped GEMM (the ``grouped_matmul`` primitives of ``ragged_dot``), chosen
+when lowered for CUDA (``grouped_path``): ``"native_fp4"`` (one FP4 GEMM per
+group on the codes, ``fp4_grouped_gemm``), ``"bf16_handler"`` (one grouped
+launch on the decoded operands, ``bf16_grouped_gemm``) or ``"xla_ragged"``
+(XLA's ``ragged_dot_general`` on the same operands). The CPU lowering is
+``"per_group"``: the CPU handler's in-order sums once per group, the exact
+reference.
 
 Weight-only GEMM (the W4A16 primitive of serving, ``matmul(x_bf16,
 w_nvfp4)``), chosen when lowered for CUDA (``w4a16_path``, from the lowering
@@ -28,7 +29,7 @@ twin).
 
 Operand form, chosen when traced (``decoded_operands``,
 ``grouped_decoded_operands``): whether the fused quantize writes the GEMM's
-bfloat16 operands instead of codes.
+bfloat16 operands instead of codes. Every GEMM path takes either form.
 """
 
 from __future__ import annotations
@@ -107,27 +108,33 @@ def decoded_operands(dtype) -> bool:
     )
 
 
-def grouped_path(target: Any = None, *, on_gpu: bool | None = None) -> str:
-    """The grouped GEMM of ``ragged_dot``: one of ``GROUPED``. ``on_gpu``:
-    whether the computation runs on a GPU (default: whether the default
-    backend is one)."""
-    if not (_on_gpu() if on_gpu is None else on_gpu):
-        return "per_group"
+def grouped_path(target: Any = None, *, decoded: bool = False) -> str:
+    """The grouped GEMM lowered for CUDA: one of ``GROUPED`` but
+    ``"per_group"`` (the CPU's).
+
+    ``target``: a lowering rule's context (the devices it lowers for), a
+    device, a sequence of devices, or None for the CUDA backend's devices
+    (``devices.lowering_devices``). ``decoded``: an operand holds bfloat16
+    values instead of codes; it takes a bf16 path on any GPU."""
     settings = config.settings()
     lowered_for = devices.lowering_devices(target)
-    if settings.native_gemm and fp4_grouped_gemm.supported(lowered_for):
+    if settings.native_gemm and not decoded and fp4_grouped_gemm.supported(lowered_for):
         return "native_fp4"
     if settings.grouped_gemm and bf16_grouped_gemm.handler_supported(lowered_for):
         return "bf16_handler"
     return "xla_ragged"
 
 
-def grouped_decoded_operands(path: str) -> bool:
+def grouped_decoded_operands() -> bool:
     """Whether ``ragged_dot``'s quantizations that only feed the grouped GEMM
-    ``path`` should write its bfloat16 operands instead of codes."""
-    return config.settings().decoded_operands and path in (
-        "bf16_handler",
-        "xla_ragged",
+    should write its bfloat16 operands instead of codes: when the GPU is the
+    default backend and its grouped GEMM (``grouped_path``) reads bf16
+    operands. Asked when traced; the GEMM, chosen when lowered, takes either
+    form."""
+    return (
+        config.settings().decoded_operands
+        and _on_gpu()
+        and grouped_path() != "native_fp4"
     )
 
 

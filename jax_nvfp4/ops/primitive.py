@@ -4,11 +4,13 @@ A primitive family is two primitives: the public one (abstract evaluation,
 batching, eager implementation, and a lowering that partitions by its
 ``Layout`` under sharded ``jit``) and ``<name>_local``, one shard's work,
 lowered to the FFI handler where one is registered, to a platform-specific
-pure-JAX path, to a rule that chooses from the lowering context (the
-dispatcher's GEMMs), or to the pure-JAX twin in ``jax_nvfp4.reference``
-elsewhere.
+pure-JAX path (possibly chosen from the lowering context: the dispatcher's
+GEMMs), or to the pure-JAX twin in ``jax_nvfp4.reference`` elsewhere.
 Parameters that are dataclasses (the quantize options, the placement) reach
-the handler as dictionary attributes with the same field names.
+the handler as dictionary attributes with the same field names. A family
+whose lowerings compose other primitives (the grouped GEMM runs the matmul
+primitive once per group) binds their ``local`` primitive, one shard's work,
+inside its own shard's lowering.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_nvfp4.backends import library
 from jax_nvfp4.ops import sharding
 
-__all__ = ["define", "ffi_attributes", "with_varying"]
+__all__ = ["ChosenAtLowering", "define", "ffi_attributes", "local", "with_varying"]
 
 
 def _varying(aval) -> frozenset:
@@ -114,6 +116,37 @@ def _announcing_missing_handlers(platform, rule):
     return lowering
 
 
+@dataclasses.dataclass(frozen=True)
+class ChosenAtLowering:
+    """A platform lowering whose pure-JAX body depends on what the
+    computation is lowered for: ``choose(ctx, **params)`` (the lowering
+    rule's context, whose ``avals_in`` give the operand shapes, and the
+    primitive's params) returns the body, e.g. the GEMM the dispatcher picks
+    for those devices and shapes."""
+
+    choose: Callable
+
+
+def _platform_rule(fn, multiple):
+    if isinstance(fn, ChosenAtLowering):
+
+        def rule(ctx, *args, **params):
+            body = mlir.lower_fun(fn.choose(ctx, **params), multiple_results=multiple)
+            return body(ctx, *args, **params)
+
+        return rule
+    return mlir.lower_fun(fn, multiple_results=multiple)
+
+
+_LOCAL: dict[Primitive, Primitive] = {}
+
+
+def local(prim: Primitive) -> Primitive:
+    """The unpartitioned primitive of a family (``<name>_local``): what a
+    lowering binds to run another family's work on its own shard."""
+    return _LOCAL[prim]
+
+
 def define(
     name: str,
     target: str | None,
@@ -127,28 +160,27 @@ def define(
     lowerings: dict[str, Callable] | None = None,
     origin_arg: int | None = None,
     handler_applies: Callable | None = None,
-    rules: dict[str, Callable] | None = None,
+    split_sum: Callable | None = None,
 ) -> Primitive:
     """The public primitive ``name`` (see the module docstring).
 
     Args:
       target: the FFI target of the handlers; registered platforms lower to
-        it. None: no handler of its own (``rules`` and ``lowerings`` decide).
+        it. None: no handler of its own (its ``lowerings`` compose others).
       abstract: shapes and dtypes of the results from the operands' avals.
       reference_fn: the pure-JAX twin, the lowering where no handler is.
       batch_rule: the vmap rule of the public primitive.
       layout: ``layout(operand shapes, **params)`` -> how it partitions.
       multiple: whether it has several results.
       drop: params that are not handler attributes (e.g. a result dtype).
-      lowerings: {platform: pure-JAX function} for platforms without a
-        handler but with a better path than the reference.
+      lowerings: {platform: pure-JAX function, or a ``ChosenAtLowering``} for
+        platforms without a handler but with a better path than the
+        reference.
       origin_arg: index of the int32[3] origin operand (see ``sharding``).
       handler_applies: ``applies(operand avals)``; where False, the reference
         lowers it on handler platforms too.
-      rules: {platform: MLIR lowering rule ``rule(ctx, *args, **params)``}
-        for platforms whose lowering is chosen from the lowering context and
-        the operand avals (``ops.dispatch``); they replace ``lowerings`` and
-        ``target`` there.
+      split_sum: how a shard computes a partial sum when a "sum" factor is
+        split across shards (``sharding.partitioned``).
     """
 
     def abstract_eval(*avals, **params):
@@ -160,10 +192,9 @@ def define(
     reference_lowering = mlir.lower_fun(reference_fn, multiple_results=multiple)
     mlir.register_lowering(local, reference_lowering)
     platform_lowerings = {
-        platform: mlir.lower_fun(fn, multiple_results=multiple)
+        platform: _platform_rule(fn, multiple)
         for platform, fn in (lowerings or {}).items()
     }
-    platform_lowerings.update(rules or {})
     for platform in _HANDLER_PLATFORMS:
         if not library.targets_on(platform):
             platform_lowerings[platform] = _announcing_missing_handlers(
@@ -172,7 +203,7 @@ def define(
     for platform, rule in platform_lowerings.items():
         mlir.register_lowering(local, rule, platform=platform)
     for platform, targets in library.registered_targets().items():
-        if target in targets and platform not in (rules or {}):
+        if target is not None and target in targets:
             mlir.register_lowering(
                 local,
                 _ffi_rule(target, drop, handler_applies, reference_lowering),
@@ -189,7 +220,10 @@ def define(
     prim.def_impl(functools.partial(_eager, prim))
     batching.primitive_batchers[prim] = batch_rule
     ad.primitive_jvps[prim] = functools.partial(_no_derivative, name)
-    sharded = sharding.partitioned(local_fn, layout, origin_arg=origin_arg)
+    sharded = sharding.partitioned(
+        local_fn, layout, origin_arg=origin_arg, split_sum=split_sum
+    )
     mlir.register_lowering(prim, mlir.lower_fun(sharded, multiple_results=multiple))
     sharding.needs_devices_during_lowering(prim)
+    _LOCAL[prim] = local
     return prim

@@ -225,12 +225,18 @@ def partitioned(
     layout_fn: Callable[..., Layout],
     *,
     origin_arg: int | None = None,
+    split_sum: Callable | None = None,
 ):
     """Wraps ``local_fn(*arrays, **static)`` (one shard's work) so that it
     partitions by the ``Layout`` that ``layout_fn(shapes, **static)`` gives.
 
-    ``origin_arg``: index of the int32[3] origin operand, which each shard
-    advances by its offset along ``layout.origin``'s factors.
+    ``origin_arg``: index of the origin operand (int32, one entry per factor
+    of ``layout.origin``), which each shard advances by its offsets.
+    ``split_sum(arrays, **static) -> (arrays, finish)``: where a "sum" factor
+    is split across shards, each shard computes float32 partial sums of the
+    returned operands, and ``finish(total)`` gives the result from their
+    ``psum`` (a GEMM's alpha applied once, after the sum). Without it, the
+    shard's own result in float32 is summed and cast.
     """
 
     def call(static, *arrays):
@@ -286,11 +292,15 @@ def partitioned(
             max_axes = tuple(
                 a for f, op in reduced.items() if op == "max" for a in axes[f]
             )
+            finish = None
+            if sum_axes and split_sum is not None:
+                arrays, finish = split_sum(arrays, **params)
             if sum_axes and "dtype" in local_params:
                 local_params["dtype"] = jnp.dtype(jnp.float32)
             out = local_fn(*arrays, **local_params)
             if sum_axes:
-                out = jax.lax.psum(out, sum_axes).astype(params["dtype"])
+                out = jax.lax.psum(out, sum_axes)
+                out = finish(out) if finish else out.astype(params["dtype"])
             if max_axes:
                 out = jax.lax.pmax(out, max_axes)
             return out

@@ -19,12 +19,9 @@ summed across shards in float32 and rounded once.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import mlir
 
 from jax_nvfp4 import reference
 from jax_nvfp4.ops import batching, dispatch, primitive
@@ -93,16 +90,21 @@ def _twin(x, codes, scales, amax, *, dtype, path):
     return reference.w4a16_matmul(x, codes, scales, amax, dtype=dtype)
 
 
-def _cuda(ctx, x, codes, scales, amax, *, dtype, path):
-    """The CUDA lowering: the GEMM of ``path``, or the dispatcher's for these
-    shapes and the devices lowered for."""
+def _choose_cuda(ctx, *, dtype, path):
+    """The CUDA lowering body: the GEMM of ``path``, or the dispatcher's for
+    these shapes and the devices lowered for."""
+    del dtype  # the body's param
     (batch, m, k), (weights, n, _) = ctx.avals_in[0].shape, ctx.avals_in[1].shape
     if path == "auto":
         rows = batch * m if weights == 1 else m
         path = dispatch.w4a16_path(rows, k, n, ctx, weights=weights)
-    body = functools.partial(dispatch.w4a16_cuda, path=path)
-    lowered = mlir.lower_fun(body, multiple_results=False)
-    return lowered(ctx, x, codes, scales, amax, dtype=dtype)
+    chosen = path
+
+    def body(x, codes, scales, amax, *, dtype, path):
+        del path  # chosen above
+        return dispatch.w4a16_cuda(x, codes, scales, amax, dtype=dtype, path=chosen)
+
+    return body
 
 
 w4a16_matmul_p = primitive.define(
@@ -113,7 +115,7 @@ w4a16_matmul_p = primitive.define(
     _batch,
     _layout,
     multiple=False,
-    rules={"cuda": _cuda},
+    lowerings={"cuda": primitive.ChosenAtLowering(_choose_cuda)},
 )
 
 
