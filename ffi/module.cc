@@ -5,10 +5,14 @@
 // the workspace of the W4A16 GEMM. What only tests use is in
 // jax_nvfp4._ffi_testing (testing_module.cc).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "cuda/fused_quantize_rule.h"
 #include "gemm/mma/w4a16_gemm_plan.h"
@@ -38,11 +42,25 @@ nb::dict Registrations(std::string_view platform) {
   return d;
 }
 
+// Every target name of targets.inc, built here or not, once each (a name
+// served on both platforms is listed once).
+std::vector<std::string> TargetNames() {
+  std::vector<std::string> names;
+#define JAX_NVFP4_TARGET(name, symbol, target_platform, gate) \
+  names.emplace_back(name);
+#include "targets.inc"
+#undef JAX_NVFP4_TARGET
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names;
+}
+
 }  // namespace
 
 NB_MODULE(_ffi, m) {
   m.def("cpu_registrations", []() { return Registrations("cpu"); });
   m.def("cuda_registrations", []() { return Registrations("cuda"); });
+  m.def("target_names", &TargetNames);
   // Whether the fused CUDA quantize kernel writes decoded (bfloat16) operands
   // for these options (cuda/fused_quantize_rule.h); the handler also needs m
   // and k multiples of 16 and 16-byte aligned buffers at run time.

@@ -10,8 +10,6 @@ selection by ``jax_nvfp4.policy``.
 """
 
 from jax_nvfp4 import checkpoint, config, policy, reference
-from jax_nvfp4.backends import export_safety_checks
-from jax_nvfp4.backends.library import MissingHandlersWarning, available_platforms
 from jax_nvfp4.dot import dot, dot_general
 from jax_nvfp4.format import (
     BLOCK_SIZE,
@@ -22,6 +20,11 @@ from jax_nvfp4.format import (
     NVFP4Tensor,
 )
 from jax_nvfp4.matmul import matmul
+from jax_nvfp4.ops.targets import (
+    MissingHandlersWarning,
+    available_platforms,
+    export_safety_checks,
+)
 from jax_nvfp4.quantize import (
     dequantize,
     global_amax,

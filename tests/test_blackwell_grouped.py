@@ -99,8 +99,8 @@ def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
 
     for x in plan["launches"]:
         m, n, k, ld, g = x["m"], x["n"], x["k"], x["ld"], x["group"]
-        a = matrix(a_codes, a_scales, x["a_codes"], x["a_scales"], m, k, ld)
-        b = matrix(b_codes, b_scales, x["b_codes"], x["b_scales"], n, k, ld)
+        a = matrix(a_codes, a_scales, x["a"], x["a_scales"], m, k, ld)
+        b = matrix(b_codes, b_scales, x["b"], x["b_scales"], n, k, ld)
         alpha = (np.float32(a_amax[g]) / np.float32(2688)) * (
             np.float32(b_amax[g]) / np.float32(2688)
         )
@@ -110,8 +110,8 @@ def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
 
 
 def _emulated_call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form):
-    """fp4_grouped_gemm._call with the handler replaced by its plan (the
-    extension's) and the emulation, on the host."""
+    """fp4_grouped_gemm._call with the handler replaced by its plan (C++,
+    through jax_nvfp4._ffi_testing) and the emulation, on the host."""
 
     def host(*args):
         *ops, sizes, a_amax, b_amax = (np.asarray(a) for a in args)

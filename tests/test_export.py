@@ -1,6 +1,9 @@
 """jax.export of a jitted NVFP4 training step: export_safety_checks lets it
 serialize; the deserialized step gives the same bytes."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +11,14 @@ import pytest
 from jax import export
 
 import jax_nvfp4 as nv
+from jax_nvfp4.backends import (
+    bf16_gemm,
+    bf16_grouped_gemm,
+    fp4_gemm,
+    fp4_grouped_gemm,
+    library,
+    w4a16_gemm,
+)
 
 
 def _step(x, w, key):
@@ -43,10 +54,27 @@ def test_exported_step_round_trips_with_the_same_bytes():
         )
 
 
-def test_safety_checks_name_every_gemm_target():
+def _targets_inc() -> set[str]:
+    """The target names of the extension's own list, ffi/targets.inc."""
+    text = (pathlib.Path(__file__).parent.parent / "ffi" / "targets.inc").read_text()
+    return set(re.findall(r'^JAX_NVFP4_TARGET\("(\w+)"', text, re.M))
+
+
+@pytest.mark.skipif(library.extension() is None, reason="needs the compiled extension")
+def test_safety_checks_name_every_target():
+    """One check per target of ffi/targets.inc, built on this machine or not
+    (a CPU-only build exports modules lowered for CUDA too), and every
+    target a Python backend names is in that list."""
+    listed = _targets_inc()
+    assert len(listed) > 10
+    assert set(library.target_names()) == listed
     names = {str(c) for c in nv.export_safety_checks()}
-    for target in ("jax_nvfp4_matmul_bf16_graph", "jax_nvfp4_matmul_fp4_sm100"):
-        assert any(target in n for n in names), names
+    assert names == {f"custom_call:{target}" for target in listed}
+    backends = (bf16_gemm, fp4_gemm, bf16_grouped_gemm, fp4_grouped_gemm, w4a16_gemm)
+    for module in backends:
+        for name in dir(module):
+            if name.endswith("TARGET"):
+                assert getattr(module, name) in listed, (module.__name__, name)
 
 
 @pytest.mark.parametrize("tokens", ["t", "16*t"], ids=["t", "16t"])

@@ -30,6 +30,7 @@ __all__ = [
     "extension",
     "handler_source",
     "registered_targets",
+    "target_names",
     "targets_on",
 ]
 
@@ -106,6 +107,16 @@ def registered_targets() -> dict[str, frozenset[str]]:
 def targets_on(platform: str) -> frozenset[str]:
     """The targets registered for one lowering platform ("cpu", "cuda")."""
     return registered_targets().get(platform, frozenset())
+
+
+def target_names() -> frozenset[str]:
+    """Every FFI target of the extension's own list (``ffi/targets.inc``),
+    built here or not; where the extension is missing, the registered ones
+    (e.g. those of a Bazel CPU library)."""
+    ext = extension()
+    if ext is not None and hasattr(ext, "target_names"):
+        return frozenset(ext.target_names())
+    return frozenset().union(*registered_targets().values())
 
 
 def available_platforms() -> frozenset[str]:
