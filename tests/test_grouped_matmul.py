@@ -1,6 +1,8 @@
 """The grouped GEMM primitives (jax_nvfp4.ops.grouped_matmul): each form
 against its twin (reference.grouped_matmul_rows / _tokens) bit for bit on
-the CPU, decoded operands, non-finite blocks, vmap; every GEMM path's body
+the CPU (these tests run on the CPU device, whatever the default: they
+check the CPU lowering's contract), on a GPU within the float32 summation
+bound; decoded operands, non-finite blocks, vmap; every GEMM path's body
 called directly (xla_ragged; native_fp4 on an emulation of its handler),
 and the custom calls each path lowers to for "cuda"; the dispatcher's
 choice. Sharding: tests/test_ragged_dot_sharding.py."""
@@ -32,6 +34,17 @@ FORMS = {
         tokens_operands,
     ),
 }
+
+
+@pytest.fixture(autouse=True)
+def _cpu_device(request):
+    """The CPU lowering's contract (bit-exact, rows past the groups zero):
+    on the CPU device; tests marked gpu run on the default device."""
+    if "gpu" in request.keywords:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def _jit(fn, dtype):
@@ -72,6 +85,34 @@ def test_primitive_equals_twin(form, case, dtype):
         for g, size in enumerate(np.asarray(args[-1])):
             if size == 0:
                 assert not np.any(np.asarray(got[g], np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_gpu_primitive_within_float32_bound_of_twin(form):
+    """On a GPU (the dispatcher's grouped GEMM): each group's results equal
+    the twin's within the float32 summation bound (another order); rows past
+    the groups are not the primitive's (unspecified there)."""
+    prim, twin, operands = FORMS[form]
+    sizes = ROWS["unaligned"] if form == "rows" else TOKENS["unbalanced"]
+    args = operands(sizes, seed=11)
+    got = np.asarray(_jit(prim, jnp.float32)(*args), np.float64)
+    cpu = jax.devices("cpu")[0]
+    want = np.asarray(_jit(twin, jnp.float32)(*jax.device_put(args, cpu)), np.float64)
+    # |sum| <= sum |a||b|: the bound of a float32 sum of L products.
+    if form == "rows":
+        a = np.abs(np.asarray(reference.decode_bf16(args[0], args[1])[0], np.float64))
+        b = np.abs(np.asarray(reference.decode_bf16(args[3], args[4]), np.float64))
+        rows = int(np.sum(sizes))
+        group = _group_of_rows(sizes, rows)
+        magnitude = np.stack([a[r] @ b[g].T for r, g in enumerate(group)])
+        r = np.float64(2688)
+        alpha = (np.asarray(args[2]) / r) * (np.asarray(args[5]) / r)
+        bound = magnitude * alpha[group][:, None] * a.shape[1] * 2.0**-23
+        got, want = got[:rows], want[:rows]
+    else:
+        bound = np.abs(want) * 1e-4 + 1e-30
+    assert np.all(np.abs(got - want) <= bound + np.abs(want) * 2.0**-23)
 
 
 def test_rows_form_is_a_per_group_product():
