@@ -42,7 +42,20 @@ import jax.numpy as jnp
 from common import argument_parser, header, parse_shape, write_json
 
 import jax_nvfp4 as nv
+from jax_nvfp4.keys import key_words
 from jax_nvfp4.quantize import quantize_shard_rows_cols
+
+
+def _rows_cols(x, key=None, **options):
+    """The recipe's fused quantize (decoded-operand requests allowed), the
+    key turned into words as the public call turns it."""
+    stochastic = "stochastic" in (
+        options.get("row_rounding"),
+        options.get("col_rounding"),
+    )
+    words = key_words(key, stochastic, x.size) if stochastic else None
+    return quantize_shard_rows_cols(x, words=words, **options)
+
 
 REPEAT = 16
 CALLS = 15
@@ -120,7 +133,7 @@ def bench_shape(m, k, list_kernels=False):
     x_options = dict(col_rht=True)
 
     def fused(x, implementation="ffi", **extra):
-        return quantize_shard_rows_cols(
+        return _rows_cols(
             x, key=sr_key, implementation=implementation, **dy_options, **extra
         )
 
@@ -137,13 +150,13 @@ def bench_shape(m, k, list_kernels=False):
             with_amaxes,
         ),
         "kernel_x": (
-            lambda xa: quantize_shard_rows_cols(
+            lambda xa: _rows_cols(
                 xa[0], **x_options, row_amax=xa[1][0], col_amax=xa[1][1], **trusted
             ),
             with_amaxes,
         ),
         "kernel_2d": (
-            lambda xa: quantize_shard_rows_cols(
+            lambda xa: _rows_cols(
                 xa[0],
                 row_block="16x16",
                 col_block="16x16",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from typing import Literal
 
 import jax
@@ -28,6 +27,12 @@ from jax_nvfp4.format import (
     holds_values,
     is_supported_input_dtype,
 )
+from jax_nvfp4.given_amax import GivenAmax, given_amax
+from jax_nvfp4.keys import (
+    key_words,
+    shard_words,
+    warn_unused_key,
+)
 
 __all__ = [
     "dequantize",
@@ -37,9 +42,6 @@ __all__ = [
 ]
 
 Implementation = Literal["ffi", "reference"]
-# The pure-JAX twin counts Philox's block counters f // 16 in uint32 (2^36
-# elements); the limit keeps a factor of two in hand.
-_MAX_STOCHASTIC_ELEMENTS = 2**35
 
 
 def implementation_ops(implementation: Implementation):
@@ -102,156 +104,6 @@ def _is_stochastic(rounding: Rounding, name: str = "rounding") -> bool:
     if not (isinstance(rounding, str) and rounding in ("nearest", "stochastic")):
         raise ValueError(f"{name} must be 'nearest' or 'stochastic', got {rounding!r}")
     return rounding == "stochastic"
-
-
-def _warn_unused_key(key, stochastic: bool) -> None:
-    if key is not None and not stochastic:
-        warnings.warn(
-            "a key was passed with rounding='nearest', which draws no random "
-            "bits: it is ignored (pass rounding='stochastic' to use it)",
-            stacklevel=3,
-        )
-
-
-def key_words(key, stochastic: bool, size: int) -> jax.Array:
-    """The two uint32 words that key the stochastic-rounding generator, [1, 2].
-
-    A threefry key (``jax.random.key`` or a legacy ``PRNGKey``) is used as is;
-    keys of other implementations are first hashed to two words.
-    """
-    if not stochastic:
-        return jnp.zeros((1, 2), jnp.uint32)
-    if key is None:
-        raise ValueError(
-            "rounding='stochastic' needs a PRNG key: pass key=jax.random.key(seed) "
-            "(a new key each step)"
-        )
-    # (A symbolic size, under jax.export's shape polymorphism, is not checked.)
-    if isinstance(size, int) and size >= _MAX_STOCHASTIC_ELEMENTS:
-        raise ValueError(
-            f"stochastic rounding supports tensors of fewer than 2**35 elements; "
-            f"this one has {size} — quantize it in pieces"
-        )
-    if not hasattr(key, "dtype"):
-        raise ValueError(
-            "key must be a jax.random.key(...) or a uint32[2] PRNGKey, got "
-            f"{type(key).__name__} {key!r}"
-        )
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.shape != ():
-            raise ValueError(
-                f"key must be a single PRNG key (shape ()), got shape {key.shape}"
-            )
-        data = jax.random.key_data(key)
-        if data.shape != (2,) or data.dtype != jnp.uint32:
-            data = jax.random.bits(key, (2,), jnp.uint32)
-    else:
-        if key.shape != (2,) or key.dtype != jnp.uint32:
-            raise ValueError(
-                "key must be a jax.random.key(...) or a uint32[2] PRNGKey, got "
-                f"{key.dtype}{list(key.shape)}"
-            )
-        data = key
-    return data.reshape(1, 2)
-
-
-# A given amax must be a max |x| over x's finite elements: finite and >= 0,
-# and 0 only where x has no nonzero finite element. A concrete one is checked
-# when the call is traced; a traced one (a jit argument, a pmax) is checked
-# against the quantized result: where it is NaN, +-inf or negative, or 0
-# while x holds a nonzero finite element, the tensor is marked invalid (see
-# quantize's docstring, "amax"), so the error shows as NaN wherever the
-# tensor is used instead of as finite garbage or zeros.
-#
-# The handlers quantize with this amax in place of any amax that is not
-# finite and positive: S_enc = 2688 / _PROBE_AMAX = 2^120 exactly and
-# S_dec = 2^-120 is normal, so the arithmetic is the same on every backend,
-# and every block holding a nonzero finite element (|x| >= 2^-126) gets a
-# nonzero scale, which is how an amax of 0 is checked against x.
-_PROBE_AMAX = np.float32(2688 * 2.0**-120)
-
-
-@dataclasses.dataclass(frozen=True)
-class _GivenAmax:
-    """A given amax as the float32 scalar stored in the tensor, and whether
-    it is checked against the quantized result (traced, or 0)."""
-
-    value: jax.Array
-    checked: bool
-
-    def for_handler(self) -> jax.Array:
-        if not self.checked:
-            return self.value
-        usable = (self.value > 0) & (self.value < np.inf)
-        return jnp.where(usable, self.value, _PROBE_AMAX)
-
-    def mark(self, values, scales):
-        """(values, scales, amax) of the quantized result, marked invalid
-        where the amax is: every scale the E4M3 NaN (0x7F), decoded values
-        NaN, the amax NaN."""
-        if not self.checked:
-            return values, scales, self.value
-        amax = self.value
-        s = scales.astype(jnp.float32)
-        # NaN scales mark non-finite blocks, not data.
-        holds_data = jnp.any((s > 0) & (s < np.inf))
-        valid = ((amax > 0) & (amax < np.inf)) | ((amax == 0) & ~holds_data)
-        scales = jnp.where(valid, scales, jnp.array(np.nan, scales.dtype))
-        if holds_values(values):
-            values = jnp.where(valid, values, jnp.array(np.nan, values.dtype))
-        return values, scales, jnp.where(valid, amax, np.float32(np.nan))
-
-
-def _given_amax(amax, x, name="amax", trusted=False) -> _GivenAmax:
-    """Checks a given amax; ``trusted``: a max over x's finite |values| (the
-    training recipe's, reduced over shards), which needs no check."""
-    if isinstance(amax, NVFP4Tensor) or not (
-        hasattr(amax, "dtype") or isinstance(amax, (int, float, np.number))
-    ):
-        raise TypeError(
-            f"{name} must be a float32 scalar (the max |x| of the whole tensor), "
-            f"got {type(amax).__name__}"
-        )
-    # Read before the conversion, which under jit may stage a Python float.
-    value = _concrete(amax) if np.size(amax) == 1 else None
-    amax = jnp.asarray(amax)
-    if amax.size != 1 or amax.ndim > 1:
-        raise ValueError(
-            f"{name} must be a scalar (the max |x| of the whole tensor), got shape "
-            f"{amax.shape}"
-        )
-    if not jnp.issubdtype(amax.dtype, jnp.floating):
-        raise TypeError(f"{name} must be a float, got {amax.dtype}")
-    amax = amax.astype(jnp.float32).reshape(())
-    if trusted:
-        return _GivenAmax(amax, checked=False)
-    if value is None:
-        return _GivenAmax(amax, checked=True)
-    if not (np.isfinite(value) and value >= 0):
-        raise ValueError(
-            f"{name}={value} must be a finite, positive max |x|; pass the "
-            "tensor's amax, e.g. jax_nvfp4.global_amax(x), or leave it out"
-        )
-    if value > 0:
-        return _GivenAmax(amax, checked=False)
-    data = None if isinstance(x, jax.core.Tracer) else _concrete(reference.abs_max(x))
-    if data is not None and data > 0:
-        raise ValueError(
-            f"{name}=0 must be a finite, positive max |x|: x holds values up to "
-            f"{data} (an amax of 0 would quantize them to zeros); pass the "
-            "tensor's amax, e.g. jax_nvfp4.global_amax(x), or leave it out"
-        )
-    # 0 for x without a nonzero finite element: valid. Under jit x is not
-    # known here, so the result is checked.
-    return _GivenAmax(amax, checked=data is None)
-
-
-def _concrete(a) -> float | None:
-    """A scalar's value, or None where it is traced."""
-    try:
-        return float(a)
-    except (jax.errors.ConcretizationTypeError, TypeError):
-        return None
 
 
 def global_amax(
@@ -331,13 +183,16 @@ def quantize(
       An ``NVFP4Tensor`` with codes ``[..., L/2]`` and scales ``[..., L/16]``,
       ``...`` being x's shape without ``axis``.
     """
+    x = _check_input(x)
+    stochastic = _is_stochastic(rounding)
+    warn_unused_key(key, stochastic)
     return quantize_shard(
         x,
         axis,
         block=block,
         rounding=rounding,
         rht=rht,
-        key=key,
+        words=key_words(key, stochastic, x.size),
         amax=amax,
         stream=stream,
         implementation=implementation,
@@ -351,7 +206,7 @@ def quantize_shard(
     block: Block = "1x16",
     rounding: Rounding = "nearest",
     rht: bool = False,
-    key: jax.Array | None = None,
+    words: jax.Array | None = None,
     amax: jax.Array | None = None,
     stream: int = 0,
     implementation: Implementation = "ffi",
@@ -359,9 +214,11 @@ def quantize_shard(
     amax_trusted: bool = False,
 ) -> NVFP4Tensor:
     """``quantize`` of x as one token shard of a larger tensor, for the
-    recipe: ``place`` = (first row, all rows) offsets the rows of x's
-    [batch, m, k] view, so stochastic-rounding bits follow the whole tensor's
-    index; ``amax_trusted``: the given amax is a reduction over finite values
+    recipe: ``words`` are the stochastic-rounding words of the product's key
+    (``key_words``; the key became words once, at the public call);
+    ``place`` = (first row, all rows) offsets the rows of x's [batch, m, k]
+    view, so stochastic-rounding bits follow the whole tensor's index;
+    ``amax_trusted``: the given amax is a reduction over finite values
     (never invalid), so it is not checked."""
     x = _check_input(x)
     axis = _normalize_axis(axis, x.ndim)
@@ -383,17 +240,16 @@ def quantize_shard(
         stream=_check_stream(stream),
     )
     impl = implementation_ops(implementation)
-    _warn_unused_key(key, spec.stochastic)
-    words = key_words(key, spec.stochastic, _global_size(x, place))
+    words = shard_words(words, spec.stochastic, _global_size(x, place))
     x3, cols = _rank3(x, axis)
     if amax is None:
         if rht:
             amax = jnp.max(impl.amax(x3, cols=cols)[:, 1])
         else:
             amax = impl.abs_max(x)
-        given = _GivenAmax(amax, checked=False)
+        given = GivenAmax(amax, checked=False)
     else:
-        given = _given_amax(amax, x, trusted=amax_trusted)
+        given = given_amax(amax, x, trusted=amax_trusted)
     origin, placement = _placement(place, x3)
     handler_amax = given.for_handler().reshape(1)
     if cols:
@@ -486,6 +342,11 @@ def quantize_rowwise_and_columnwise(
     ``row_amax`` / ``col_amax`` are each checked as ``quantize``'s ``amax``
     (an invalid traced one marks its own side only).
     """
+    x = _check_input(x)
+    stochastic = _is_stochastic(row_rounding, "row_rounding") or _is_stochastic(
+        col_rounding, "col_rounding"
+    )
+    warn_unused_key(key, stochastic)
     return quantize_shard_rows_cols(
         x,
         row_block=row_block,
@@ -494,7 +355,7 @@ def quantize_rowwise_and_columnwise(
         col_block=col_block,
         col_rounding=col_rounding,
         col_rht=col_rht,
-        key=key,
+        words=key_words(key, stochastic, x.size),
         row_amax=row_amax,
         col_amax=col_amax,
         row_stream=row_stream,
@@ -512,7 +373,7 @@ def quantize_shard_rows_cols(
     col_block: Block = "1x16",
     col_rounding: Rounding = "nearest",
     col_rht: bool = False,
-    key: jax.Array | None = None,
+    words: jax.Array | None = None,
     row_amax: jax.Array | None = None,
     col_amax: jax.Array | None = None,
     row_stream: int = 0,
@@ -523,8 +384,8 @@ def quantize_shard_rows_cols(
     col_decoded: bool = False,
     amax_trusted: bool = False,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
-    """``quantize_rowwise_and_columnwise`` for the recipe: ``place`` and
-    ``amax_trusted`` as in ``quantize_shard``; ``row_decoded`` /
+    """``quantize_rowwise_and_columnwise`` for the recipe: ``words``,
+    ``place`` and ``amax_trusted`` as in ``quantize_shard``; ``row_decoded`` /
     ``col_decoded`` (where the dispatcher says the GEMM reads bfloat16
     operands): return that side as a ``decoded`` NVFP4Tensor, its bfloat16
     GEMM operand, written by the fused kernel in place of the codes -- for
@@ -552,9 +413,8 @@ def quantize_shard_rows_cols(
         stream=_check_stream(col_stream, "col_stream"),
     )
     impl = implementation_ops(implementation)
-    _warn_unused_key(key, row_spec.stochastic or col_spec.stochastic)
-    words = key_words(
-        key, row_spec.stochastic or col_spec.stochastic, _global_size(x, place)
+    words = shard_words(
+        words, row_spec.stochastic or col_spec.stochastic, _global_size(x, place)
     )
     x3 = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
 
@@ -565,17 +425,17 @@ def quantize_shard_rows_cols(
             plain, col_amax = jnp.max(both[:, 0]), jnp.max(both[:, 1])
         else:
             plain = col_amax = impl.abs_max(x)
-        col_given = _GivenAmax(col_amax, checked=False)
+        col_given = GivenAmax(col_amax, checked=False)
     else:
-        col_given = _given_amax(col_amax, x, "col_amax", amax_trusted)
+        col_given = given_amax(col_amax, x, "col_amax", amax_trusted)
     if row_amax is None:
         if row_rht:
             row_amax = jnp.max(impl.amax(x3, cols=False)[:, 1])
         else:
             row_amax = plain if plain is not None else impl.abs_max(x)
-        row_given = _GivenAmax(row_amax, checked=False)
+        row_given = GivenAmax(row_amax, checked=False)
     else:
-        row_given = _given_amax(row_amax, x, "row_amax", amax_trusted)
+        row_given = given_amax(row_amax, x, "row_amax", amax_trusted)
 
     if (row_decoded or col_decoded) and ops.fused_writes_values(
         x.dtype, row_spec, col_spec

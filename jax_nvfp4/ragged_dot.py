@@ -48,8 +48,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4 import ops, reference
 from jax_nvfp4.format import BLOCK_SIZE, is_supported_input_dtype
+from jax_nvfp4.keys import key_words
 from jax_nvfp4.ops import dispatch, sharding
-from jax_nvfp4.quantize import implementation_ops, key_words
+from jax_nvfp4.quantize import implementation_ops
 from jax_nvfp4.recipe import (
     MISSING_KEY_MESSAGE,
     NVFP4,
@@ -475,6 +476,28 @@ def ragged_dot(
             "pass all groups"
         )
     x, w, group_sizes = _check_operands(x, w, group_sizes, recipe)
+    words = None  # no key where the recipe needs one: forward only
+    if not recipe.needs_key or key is not None:
+        buffer_rows = x.shape[0] + 15 * w.shape[0]
+        words = key_words(key, recipe.needs_key, buffer_rows * max(w.shape[1:]))
+    return ragged_product(
+        x,
+        w,
+        group_sizes,
+        words=words,
+        recipe=recipe,
+        preferred_element_type=preferred_element_type,
+    )
+
+
+def ragged_product(
+    x, w, group_sizes, *, words, recipe: Recipe, preferred_element_type=None
+) -> jax.Array:
+    """``ragged_dot`` after its key became stochastic-rounding words
+    (``quantize.key_words``, [1, 2]; None where the recipe needs a key and
+    there is none: forward only): what a layer with its own key source
+    calls."""
+    x, w, group_sizes = _check_operands(x, w, group_sizes, recipe)
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     if not (recipe.fprop or recipe.dgrad or recipe.wgrad):
         return lax.ragged_dot(
@@ -484,15 +507,13 @@ def ragged_dot(
     decoded = dispatch.grouped_decoded_operands()
     static = (jnp.dtype(x.dtype), out_dtype, decoded)
 
-    def run(x, w, group_sizes, key):
-        if recipe.needs_key and key is None:
+    def run(x, w, group_sizes, words):
+        if words is None:
             return _forward_only(x, w, group_sizes, recipe, static)
-        buffer_rows = x.shape[0] + 15 * w.shape[0]
-        words = key_words(key, recipe.needs_key, buffer_rows * max(w.shape[1:]))
         return _ragged(x, w, group_sizes, words, recipe, static)
 
     out = sharding.on_auto_axes(
-        run, (x, w, group_sizes, key), lambda: _output_spec(x, w)
+        run, (x, w, group_sizes, words), lambda: _output_spec(x, w)
     )
     return checkpoint_name(out, OUTPUT)
 

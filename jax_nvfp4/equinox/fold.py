@@ -28,7 +28,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_nvfp4.dot import product_general
 from jax_nvfp4.ops import sharding
 from jax_nvfp4.ops.primitive import with_varying
-from jax_nvfp4.ragged_dot import ragged_dot
+from jax_nvfp4.ragged_dot import ragged_product
 from jax_nvfp4.recipe import Recipe
 from jax_nvfp4.recipe.steps import explicit_sharding
 
@@ -169,8 +169,7 @@ def _plain_ragged_dot(recipe: Recipe | None, x, w, group_sizes, kd):
     ``recipe`` None) or ``jax_nvfp4.ragged_dot``."""
     if recipe is None:
         return jax.lax.ragged_dot(x, w, group_sizes)
-    key = kd if recipe.needs_key else None
-    return ragged_dot(x, w, group_sizes, key=key, recipe=recipe)
+    return ragged_product(x, w, group_sizes, words=kd.reshape(1, 2), recipe=recipe)
 
 
 def folded_ragged_dot(recipe: Recipe | None, x, w, group_sizes, kd):

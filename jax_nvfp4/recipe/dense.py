@@ -25,10 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_nvfp4.keys import key_words
 from jax_nvfp4.matmul import matmul
-from jax_nvfp4.quantize import (
-    key_words,
-)
 from jax_nvfp4.recipe.residuals import OUTPUT, W_RESIDUAL, X_RESIDUAL, named
 from jax_nvfp4.recipe.steps import (
     MISSING_KEY_MESSAGE,
@@ -89,7 +87,7 @@ def _dot2_bwd(recipe, static, residuals, dy):
         rows=recipe.dgrad,
         cols=recipe.wgrad,
         rounding="stochastic" if recipe.stochastic_rounding else "nearest",
-        key=words[0] if recipe.stochastic_rounding else None,
+        words=words if recipe.stochastic_rounding else None,
         axis_name=axis_name,
         decoded_cols=True,  # dY's column-wise copy feeds WGRAD only
     )

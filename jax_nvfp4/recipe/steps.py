@@ -9,11 +9,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_nvfp4.keys import key_words
 from jax_nvfp4.ops import dispatch
 from jax_nvfp4.quantize import (
     global_amax,
     implementation_ops,
-    key_words,
     quantize,
     quantize_rowwise_and_columnwise,
     quantize_shard,
@@ -83,7 +83,7 @@ def quantize_tokens(
     rows,
     cols,
     rounding="nearest",
-    key=None,
+    words=None,
     axis_name=None,
     decoded_cols=False,
 ):
@@ -98,7 +98,7 @@ def quantize_tokens(
     padded = pad_tokens(a2, a2.shape[0])
     # The amaxes are maxima over the finite |values|, reduced over the
     # shards: never invalid, so quantize need not check them.
-    common = dict(key=key, implementation=impl, place=place, amax_trusted=True)
+    common = dict(words=words, implementation=impl, place=place, amax_trusted=True)
     if rows and cols:
         operands = write_gemm_operands(recipe, a2)
         return quantize_shard_rows_cols(
