@@ -94,6 +94,12 @@ def run_on_virtual_cpus(script, devices: int) -> dict:
         os.environ,
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
         JAX_PLATFORMS="cpu",
+        # The tests' shared helpers (gemm_cases, grouped_cases), whatever
+        # folder the script is in.
+        PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.abspath(__file__))]
+            + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        ),
     )
     out = subprocess.run(
         [sys.executable, str(script)],

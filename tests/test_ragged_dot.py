@@ -2,7 +2,7 @@
 loop of the 2-D recipe (``jax_nvfp4.dot``) over the groups, decoded GEMM
 operands, stochastic rounding, the recipe switches, traced group sizes,
 errors and a small training run. The grouped GEMM's paths:
-tests/test_grouped_matmul.py."""
+tests/ops/test_grouped_matmul.py."""
 
 import dataclasses
 

@@ -30,7 +30,7 @@ This path has not run on Blackwell hardware. Tested on CPU: the
 realignment, the layouts, the handler's plan (its launches, offsets and
 zeroed ranges, through the extension's ``plan_grouped_fp4_gemm``) and a
 NumPy emulation of those launches, run as the primitives' native path
-against their twins (tests/test_blackwell_grouped.py).
+against their twins (tests/backends/test_fp4_grouped_gemm.py).
 """
 
 from __future__ import annotations

@@ -314,7 +314,7 @@ def test_llama_flax_example_trains(tmp_path):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "examples" / "llama_flax.py"
+    path = pathlib.Path(__file__).parents[2] / "examples" / "llama_flax.py"
     spec = importlib.util.spec_from_file_location("llama_flax", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # Two computations lowered for the CPU, then the results against the twin.
 PROGRAM = """

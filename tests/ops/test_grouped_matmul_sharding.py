@@ -1,5 +1,5 @@
 """jax_nvfp4.ragged_dot and its grouped GEMM primitives sharded on 4 virtual
-CPU devices equal one device bit for bit (tests/ragged_dot_sharding_checks.py,
+CPU devices equal one device bit for bit (tests/ops/grouped_matmul_sharding_checks.py,
 run in a subprocess): each primitive partitioned along each of its axes,
 without an all-gather (rows form: buffer rows, N, the contraction; tokens
 form: the items, M, N); ragged_dot data parallel (tokens sharded under jit;
@@ -12,7 +12,7 @@ import pathlib
 import pytest
 from conftest import run_on_virtual_cpus
 
-SCRIPT = pathlib.Path(__file__).with_name("ragged_dot_sharding_checks.py")
+SCRIPT = pathlib.Path(__file__).with_name("grouped_matmul_sharding_checks.py")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The serving matmul ``matmul(x_bf16, w_nvfp4)`` and the bf16 decode under
-sharded jit on 4 virtual CPU devices (tests/w4a16_sharding_checks.py, run in
+sharded jit on 4 virtual CPU devices (tests/ops/w4a16_matmul_sharding_checks.py, run in
 a subprocess): x's rows, the batch, the weight's rows (N) or both sharded
 give one device's bytes (on Auto and on Explicit mesh axes) and the compiled
 HLO has no collective (no all-gather of x or of the weight); a sharded
@@ -13,7 +13,7 @@ import pathlib
 import pytest
 from conftest import run_on_virtual_cpus
 
-SCRIPT = pathlib.Path(__file__).with_name("w4a16_sharding_checks.py")
+SCRIPT = pathlib.Path(__file__).with_name("w4a16_matmul_sharding_checks.py")
 DTYPES = ["bfloat16", "float32"]
 
 

@@ -16,7 +16,8 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import checkpoint, hf_names
 from jax_nvfp4.policy import transformer_policy
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples")
+sys.path.insert(0, EXAMPLES)
 import train_common  # noqa: E402
 
 LAYERS, D, FFN = 3, 32, 64

@@ -392,7 +392,7 @@ def test_kernel_variants_agree():
     (the best the CPU has)."""
     package_root = pathlib.Path(nv.__file__).resolve().parent.parent
     code = (
-        "import sys, numpy as np, test_cpu_speed_paths as t; "
+        "import sys, numpy as np, test_cpu_handlers as t; "
         "np.savez(sys.argv[1], **t.cpu_outputs())"
     )
     with tempfile.TemporaryDirectory() as directory:
@@ -403,7 +403,11 @@ def test_kernel_variants_agree():
                 JAX_NVFP4_CPU_KERNELS=variant,
                 JAX_PLATFORMS="cpu",
                 PYTHONPATH=os.pathsep.join(
-                    [str(package_root), str(pathlib.Path(__file__).parent)]
+                    [
+                        str(package_root),
+                        str(pathlib.Path(__file__).parent),
+                        str(pathlib.Path(__file__).parents[1]),  # shared helpers
+                    ]
                     + [p for p in [os.environ.get("PYTHONPATH")] if p]
                 ),
             )

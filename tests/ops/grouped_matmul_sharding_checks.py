@@ -1,6 +1,6 @@
 """ragged_dot and its grouped GEMM primitives under sharding on 4 virtual
 CPU devices, against one device; run in a subprocess by
-tests/test_ragged_dot_sharding.py (XLA_FLAGS is read when JAX starts).
+tests/ops/test_grouped_matmul_sharding.py (XLA_FLAGS is read when JAX starts).
 Prints one JSON object: {check: true/false}."""
 
 import functools
@@ -15,7 +15,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-# The tests' shared operands (this script's folder is on sys.path).
+# The tests' shared operands (the tests folder is on PYTHONPATH:
+# conftest.run_on_virtual_cpus).
 from grouped_cases import ROWS, TOKENS, rows_operands, tokens_operands  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402

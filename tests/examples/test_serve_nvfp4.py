@@ -6,7 +6,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples")
+sys.path.insert(0, EXAMPLES)
 import serve_nvfp4  # noqa: E402
 
 

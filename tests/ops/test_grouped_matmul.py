@@ -5,7 +5,7 @@ check the CPU lowering's contract), on a GPU within the float32 summation
 bound; decoded operands, non-finite blocks, vmap; every GEMM path's body
 called directly (xla_ragged; native_fp4 on an emulation of its handler),
 and the custom calls each path lowers to for "cuda"; the dispatcher's
-choice. Sharding: tests/test_ragged_dot_sharding.py."""
+choice. Sharding: tests/ops/test_grouped_matmul_sharding.py."""
 
 import functools
 

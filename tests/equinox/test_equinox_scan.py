@@ -323,7 +323,7 @@ def _example():
     import pathlib
     import sys
 
-    path = pathlib.Path(__file__).parents[1] / "examples" / "llama_equinox.py"
+    path = pathlib.Path(__file__).parents[2] / "examples" / "llama_equinox.py"
     spec = importlib.util.spec_from_file_location("llama_equinox", path)
     example = importlib.util.module_from_spec(spec)
     # Equinox modules are dataclasses, which look their module up by name.

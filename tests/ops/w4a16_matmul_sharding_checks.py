@@ -1,6 +1,6 @@
 """The serving matmul (W4A16) and the bf16 decode under sharded jit on 4
 virtual CPU devices, against one device; run in a subprocess by
-tests/test_w4a16_sharding.py (XLA_FLAGS is read when JAX starts). Prints one
+tests/ops/test_w4a16_matmul_sharding.py (XLA_FLAGS is read when JAX starts). Prints one
 JSON object: {case: {check: value}}."""
 
 import json

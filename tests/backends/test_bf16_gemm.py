@@ -352,7 +352,7 @@ def test_handler_runs_inside_cuda_graph_capture():
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1"
     ).strip()
-    script = _CAPTURE_SCRIPT.format(tests=str(pathlib.Path(__file__).parent))
+    script = _CAPTURE_SCRIPT.format(tests=str(pathlib.Path(__file__).parents[1]))
     out = subprocess.run(
         [sys.executable, "-c", script],
         cwd=tempfile.gettempdir(),  # the installed package, not the tree

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples")
+sys.path.insert(0, EXAMPLES)
 import text_data  # noqa: E402
 import train_common  # noqa: E402
 
