@@ -112,3 +112,18 @@ def run_on_virtual_cpus(script, devices: int) -> dict:
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def rows_cols(x, key=None, **options):
+    """The recipe's fused quantize (``quantize_shard_rows_cols``: decoded
+    operands may be asked for), the key turned into words as the public call
+    turns it."""
+    from jax_nvfp4.keys import key_words
+    from jax_nvfp4.quantize import quantize_shard_rows_cols
+
+    stochastic = "stochastic" in (
+        options.get("row_rounding"),
+        options.get("col_rounding"),
+    )
+    words = key_words(key, stochastic, x.size) if stochastic else None
+    return quantize_shard_rows_cols(x, words=words, **options)

@@ -12,25 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_bytes, on_cpu, outlier_data
+from conftest import assert_same_bytes, on_cpu, outlier_data, rows_cols
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import ops
 from jax_nvfp4 import reference as ref
-from jax_nvfp4.keys import key_words
-from jax_nvfp4.quantize import quantize_shard_rows_cols
-
-
-def _rows_cols(x, key=None, **options):
-    """The recipe's fused quantize (decoded-operand requests allowed), the
-    key turned into words as the public call turns it."""
-    stochastic = "stochastic" in (
-        options.get("row_rounding"),
-        options.get("col_rounding"),
-    )
-    words = key_words(key, stochastic, x.size) if stochastic else None
-    return quantize_shard_rows_cols(x, words=words, **options)
-
 
 NAN_SCALE = 0x7F
 
@@ -201,7 +187,7 @@ def test_rht_overflow_counts_as_nonfinite(dtype):
         )
         assert_same_bytes(got, want)
         assert (_scale_bytes(got) == NAN_SCALE).any()
-    rows, cols = _rows_cols(x, col_rht=True, row_decoded=True)
+    rows, cols = rows_cols(x, col_rht=True, row_decoded=True)
     want_cols = on_cpu(
         functools.partial(nv.quantize, rht=True, implementation="reference"), x, 0
     )
@@ -266,7 +252,7 @@ def test_fused_rows_cols_mark_exactly_the_nonfinite_blocks(options):
     x = with_bad_elements(outlier_data(34, (48, 64), jnp.bfloat16))
     stochastic = "stochastic" in options.values()
     key = jax.random.key(5) if stochastic else None
-    fused = functools.partial(_rows_cols, **options)
+    fused = functools.partial(rows_cols, **options)
     got = jax.jit(lambda x, k: fused(x, key=k))(x, key)
     want = on_cpu(lambda x, k: fused(x, key=k, implementation="reference"), x, key)
     _check_fused(got, want, x, options)
@@ -279,7 +265,7 @@ def test_vmapped_quantize_marks_each_items_blocks(options):
     xs = outlier_data(35, (3, 48, 64), jnp.bfloat16)
     xs = xs.at[1].set(with_bad_elements(xs[1]))
     key = jax.random.key(6) if "stochastic" in options.values() else None
-    fused = functools.partial(_rows_cols, key=key, **options)
+    fused = functools.partial(rows_cols, key=key, **options)
     got = jax.jit(jax.vmap(fused))(xs)
     for i in range(3):
         want = on_cpu(functools.partial(fused, implementation="reference"), xs[i])
@@ -327,7 +313,7 @@ def test_all_nonfinite_tensor(fill, rht):
             assert (_scale_bytes(t) == NAN_SCALE).all()
             assert not np.asarray(t.codes).any()
             assert np.isnan(np.asarray(nv.dequantize(t, jnp.float32))).all()
-    rows, cols = _rows_cols(x, col_rht=rht, row_decoded=True, col_decoded=True)
+    rows, cols = rows_cols(x, col_rht=rht, row_decoded=True, col_decoded=True)
     for t in (rows, cols):
         assert float(t.amax) == 0.0 and (_scale_bytes(t) == NAN_SCALE).all()
         if t.decoded:

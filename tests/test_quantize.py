@@ -7,23 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_bytes, on_cpu, outlier_data
+from conftest import assert_same_bytes, on_cpu, outlier_data, rows_cols
 
 import jax_nvfp4 as nv
-from jax_nvfp4.keys import key_words
-from jax_nvfp4.quantize import quantize_shard_rows_cols
-
-
-def _rows_cols(x, key=None, **options):
-    """The recipe's fused quantize (decoded-operand requests allowed), the
-    key turned into words as the public call turns it."""
-    stochastic = "stochastic" in (
-        options.get("row_rounding"),
-        options.get("col_rounding"),
-    )
-    words = key_words(key, stochastic, x.size) if stochastic else None
-    return quantize_shard_rows_cols(x, words=words, **options)
-
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
@@ -203,7 +189,7 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
     plain = {k: v for k, v in options.items() if not k.endswith("_decoded")}
 
     def both(x, key, **extra):
-        return _rows_cols(x, key=stochastic_key(key, **plain), **plain, **extra)
+        return rows_cols(x, key=stochastic_key(key, **plain), **plain, **extra)
 
     want = jax.jit(both)(x, key)
     got = jax.jit(functools.partial(both, **decoded))(x, key)
@@ -258,7 +244,7 @@ def test_decoded_request_the_kernel_cannot_serve_gives_codes(options):
     options = dict(options)
     x = outlier_data(23, (64, 96), options.pop("dtype", jnp.bfloat16))
     plain = nv.quantize_rowwise_and_columnwise(x, **options)
-    asked = _rows_cols(x, row_decoded=True, col_decoded=True, **options)
+    asked = rows_cols(x, row_decoded=True, col_decoded=True, **options)
     for t, ref in zip(asked, plain, strict=True):
         assert not t.decoded
         assert_same_bytes(t, ref)
