@@ -4,7 +4,8 @@
 Modules: ``presets`` (``Recipe`` and the presets), ``residuals`` (the
 residual labels and ``save_fp4_residuals``), ``steps`` (the token and weight
 quantize steps and the checks every product shares), ``dense`` (the dense
-product's custom VJP, behind ``jax_nvfp4.dot``).
+product's custom VJP, behind ``jax_nvfp4.dot``), ``grouped`` (the grouped
+product's, behind ``jax_nvfp4.ragged_dot``).
 """
 
 from jax_nvfp4.recipe.presets import BF16, NVFP4, NVFP4_NO_RHT, NVFP4_NO_SR, Recipe
@@ -16,9 +17,6 @@ from jax_nvfp4.recipe.residuals import (
     save_fp4_residuals,
 )
 from jax_nvfp4.recipe.steps import MISSING_KEY_MESSAGE  # noqa: F401
-from jax_nvfp4.recipe.steps import (  # noqa: F401
-    refuse_forward_mode as _refuse_forward_mode,
-)
 
 __all__ = [
     "BF16",
