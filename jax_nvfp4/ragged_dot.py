@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4.format import is_supported_input_dtype
 from jax_nvfp4.keys import key_words
-from jax_nvfp4.ops import sharding
+from jax_nvfp4.ops import sharding, token_buffer
 from jax_nvfp4.recipe import NVFP4, OUTPUT, Recipe
 from jax_nvfp4.recipe.grouped import grouped_product
 from jax_nvfp4.recipe.steps import refuse_forward_mode
@@ -132,8 +132,8 @@ def ragged_dot(
     x, w, group_sizes = _check_operands(x, w, group_sizes, recipe)
     words = None  # no key where the recipe needs one: forward only
     if not recipe.needs_key or key is not None:
-        buffer_rows = x.shape[0] + 15 * w.shape[0]
-        words = key_words(key, recipe.needs_key, buffer_rows * max(w.shape[1:]))
+        rows = token_buffer.buffer_rows(x.shape[0], w.shape[0])
+        words = key_words(key, recipe.needs_key, rows * max(w.shape[1:]))
     return ragged_product(
         x,
         w,

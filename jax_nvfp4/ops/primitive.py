@@ -26,7 +26,14 @@ from jax.interpreters import ad, batching, mlir
 from jax_nvfp4.backends import library
 from jax_nvfp4.ops import sharding
 
-__all__ = ["ChosenAtLowering", "define", "ffi_attributes", "local", "with_varying"]
+__all__ = [
+    "ChosenAtLowering",
+    "define",
+    "eager",
+    "ffi_attributes",
+    "local",
+    "with_varying",
+]
 
 
 def _varying(aval) -> frozenset:
@@ -70,7 +77,7 @@ def _jitted_bind(prim, params):
     return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
 
 
-def _eager(prim, *args, **params):
+def eager(prim, *args, **params):
     """The eager implementation: the primitive compiled on its own. Under
     jax.disable_jit the jit would run this implementation again (forever), so
     jit stays enabled here, as JAX does for its own primitives."""
@@ -217,7 +224,7 @@ def define(
     prim = Primitive(name)
     prim.multiple_results = multiple
     prim.def_abstract_eval(abstract_eval)
-    prim.def_impl(functools.partial(_eager, prim))
+    prim.def_impl(functools.partial(eager, prim))
     batching.primitive_batchers[prim] = batch_rule
     ad.primitive_jvps[prim] = functools.partial(_no_derivative, name)
     sharded = sharding.partitioned(

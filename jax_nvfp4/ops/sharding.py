@@ -37,11 +37,15 @@ __all__ = [
     "BATCH",
     "Dim",
     "Layout",
+    "NO_MESH",
     "explicit_mesh",
+    "mesh_axes",
     "needs_devices_during_lowering",
     "on_auto_axes",
     "partitioned",
     "per_item",
+    "shard_count",
+    "shard_index",
 ]
 
 # The factor of the handlers' leading batch axis.
@@ -156,7 +160,7 @@ def per_item(n: int, batch: int) -> Dim:
     return Dim(BATCH if n == batch and n > 1 else None)
 
 
-def _axes(entry) -> tuple[str, ...]:
+def mesh_axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
@@ -172,7 +176,7 @@ def _factor_axes(layout: Layout, mesh, arg_shardings) -> dict[str, tuple[str, ..
         for i, dim in enumerate(dims):
             if dim.factor is None or dim.factor in axes:
                 continue
-            entry = _axes(spec[i]) if i < len(spec) else ()
+            entry = mesh_axes(spec[i]) if i < len(spec) else ()
             if entry and not taken.isdisjoint(entry):
                 entry = ()
             if entry:
@@ -183,13 +187,13 @@ def _factor_axes(layout: Layout, mesh, arg_shardings) -> dict[str, tuple[str, ..
     return axes
 
 
-def _shard_count(mesh, axes) -> int:
+def shard_count(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
 def _check_blocks(layout: Layout, mesh, axes):
     for factor, units in layout.sizes.items():
-        count = _shard_count(mesh, axes[factor])
+        count = shard_count(mesh, axes[factor])
         if count == 1:
             continue
         granule = layout.granule.get(factor, 1)
@@ -209,7 +213,7 @@ def _spec(dims, axes) -> P:
     return P(*[(axes[d.factor] or None) if d.factor else None for d in dims])
 
 
-def _shard_index(mesh, axes):
+def shard_index(mesh, axes):
     """This shard's index along a factor sharded over ``axes`` (major first)."""
     index = jnp.int32(0)
     for a in axes:
@@ -217,7 +221,8 @@ def _shard_index(mesh, axes):
     return index
 
 
-_NO_MESH = jax.sharding.AbstractMesh((), ())
+# The context a shard's work is traced in (see ``partitioned``).
+NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def partitioned(
@@ -267,7 +272,7 @@ def partitioned(
             # the caller's jax.set_mesh: the shard's work has local shapes and
             # no mesh (traced with one, its ops would carry sharding
             # annotations that nothing is left to partition).
-            with jax.sharding.use_abstract_mesh(_NO_MESH):
+            with jax.sharding.use_abstract_mesh(NO_MESH):
                 return lower_shard(*arrays)
 
         def lower_shard(*arrays):
@@ -278,10 +283,10 @@ def partitioned(
                     if factor is None or not axes[factor]:
                         offsets.append(jnp.int32(0))
                         continue
-                    count = _shard_count(mesh, axes[factor])
+                    count = shard_count(mesh, axes[factor])
                     local_units = layout.sizes[factor] // count
                     offsets.append(
-                        _shard_index(mesh, axes[factor])
+                        shard_index(mesh, axes[factor])
                         * (local_units * layout.granule.get(factor, 1))
                     )
                 arrays[origin_arg] = arrays[origin_arg] + jnp.stack(offsets)

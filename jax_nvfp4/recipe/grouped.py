@@ -48,7 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_nvfp4 import ops, reference
 from jax_nvfp4.format import BLOCK_SIZE
-from jax_nvfp4.ops import dispatch
+from jax_nvfp4.ops import dispatch, token_buffer
 from jax_nvfp4.quantize import implementation_ops
 from jax_nvfp4.recipe.residuals import W_RESIDUAL, X_RESIDUAL
 from jax_nvfp4.recipe.steps import MISSING_KEY_MESSAGE
@@ -57,50 +57,44 @@ __all__ = ["grouped_product"]
 
 
 class _Groups(NamedTuple):
-    """Where each row goes. ``dest`` [T]: its row in the token buffer (out
-    of range past the sum); ``item_group`` [items]: the group of each 16-row
+    """The token buffer's groups (``ops.token_buffer``) for T ``tokens``:
+    ``sizes`` [G] the rows of each group; ``item_group`` [items]: the group of each 16-row
     block of the buffer (G for the unused tail); ``padded_sizes`` [G]: the
     sizes rounded up to 16, the buffer's group sizes."""
 
-    dest: jax.Array
+    sizes: jax.Array
     item_group: jax.Array
     padded_sizes: jax.Array
     buffer_rows: int
+    tokens: int
 
 
 def _groups(group_sizes, tokens: int) -> _Groups:
-    count = group_sizes.shape[0]
-    # Every group's padded size is a multiple of 16 and adds at most 15 rows.
-    buffer_rows = max(BLOCK_SIZE, (tokens + 15 * count) // 16 * 16)
     sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
     padded = (sizes + 15) // 16 * 16
-    padded_ends = jnp.cumsum(padded)
-    rows = jnp.arange(tokens, dtype=jnp.int32)
-    row_group = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
-    g = jnp.minimum(row_group, count - 1)
-    offset = rows - (ends[g] - sizes[g])
-    dest = jnp.where(row_group < count, padded_ends[g] - padded[g] + offset, -1)
-    dest = jnp.where(dest < 0, buffer_rows, dest)  # dropped by scatters
+    buffer_rows = token_buffer.buffer_rows(tokens, sizes.shape[0])
     blocks = jnp.arange(0, buffer_rows, BLOCK_SIZE, dtype=jnp.int32)
-    item_group = jnp.searchsorted(padded_ends, blocks, side="right")
-    return _Groups(dest, item_group.astype(jnp.int32), padded, buffer_rows)
+    item_group = jnp.searchsorted(jnp.cumsum(padded), blocks, side="right")
+    return _Groups(sizes, item_group.astype(jnp.int32), padded, buffer_rows, tokens)
 
 
 def _to_buffer(a, groups: _Groups):
     """a [T, F] -> [buffer rows, F], each group from a multiple of 16."""
-    buffer = jnp.zeros((groups.buffer_rows, a.shape[1]), a.dtype)
-    return buffer.at[groups.dest].set(a, mode="drop")
+    return token_buffer.to_buffer(a, groups.sizes)
 
 
 def _from_buffer(buffer, groups: _Groups):
     """The inverse of ``_to_buffer``; rows past the sum get zeros."""
-    return buffer.at[groups.dest].get(mode="fill", fill_value=0)
+    return token_buffer.from_buffer(buffer, groups.sizes, tokens=groups.tokens)
 
 
 def _group_max(values, ids, count):
-    """max of ``values`` by group id (ids >= count dropped); 0 for none."""
-    return jnp.zeros(count, jnp.float32).at[ids].max(values, mode="drop")
+    """max of ``values`` [items] by group id (ids >= count left out); 0 for
+    a group without items. A masked reduction over the items, not a
+    scatter: with the items sharded it reduces each shard's part, then
+    across the shards."""
+    mask = ids[:, None] == jnp.arange(count, dtype=ids.dtype)
+    return jnp.max(jnp.where(mask, values[:, None], 0), axis=0, initial=0)
 
 
 def _per_item(group_values, ids):

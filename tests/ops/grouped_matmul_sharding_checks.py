@@ -95,6 +95,41 @@ def primitive_checks(mesh):
     return out
 
 
+# (tokens, group sizes): halos within the next shard, halos spanning several
+# shards (16 rows per shard), one group, a skewed split, and 96 tokens, which
+# split into 2 pieces only: the rows are then gathered, with the same bytes.
+BUFFER_CASES = [
+    (256, [40, 24, 0, 32, 50, 30, 48, 32]),
+    (64, [1, 2, 3, 4, 5, 6, 7, 8]),
+    (64, [64]),
+    (1024, [1] * 7 + [900]),
+    (96, [10, 20, 30, 1]),
+]
+
+
+def token_buffer_checks(mesh):
+    """The token buffer, tokens sharded, equals one device both ways; where
+    the tokens split into whole pieces of the buffer, the buffer is sharded
+    as the tokens and only collective permutes move rows."""
+    from jax_nvfp4.ops import token_buffer
+
+    ok = True
+    for tokens, sizes in BUFFER_CASES:
+        sizes = jnp.asarray(sizes, jnp.int32)
+        x = jax.random.normal(jax.random.key(tokens), (tokens, 24), jnp.bfloat16)
+        into = jax.jit(token_buffer.to_buffer)
+        out = jax.jit(lambda b, s, t=tokens: token_buffer.from_buffer(b, s, tokens=t))
+        one = into(x, sizes)
+        placed = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+        buffer = into(placed, sizes)
+        ok = ok and equal([one, out(one, sizes)], [buffer, out(buffer, sizes)])
+        if token_buffer.pieces(tokens) % DEVICES == 0:
+            text = into.lower(placed, sizes).compile().as_text()
+            text += out.lower(buffer, sizes).compile().as_text()
+            ok = ok and buffer.sharding.spec == P("d") and not gathers(text)
+    return ok
+
+
 def main():
     auto = (jax.sharding.AxisType.Auto,)
     mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=auto)
@@ -104,14 +139,17 @@ def main():
     dy = jax.random.normal(keys[2], (T, N), jnp.float32)
     sizes = jnp.array([40, 24, 0, 32, 50, 30, 48, 32], jnp.int32)
     out = primitive_checks(mesh)
+    out["token_buffer"] = token_buffer_checks(mesh)
 
     # Data parallel: tokens sharded under jit, the weights replicated.
     one = jax.jit(step)(x, w, dy, sizes, KEY)
+    # The token buffer moves halos between neighbouring shards: no
+    # all-gather of x, dY or the results.
     rows = NamedSharding(mesh, P("d", None))
-    sharded = jax.jit(step)(
-        jax.device_put(x, rows), w, jax.device_put(dy, rows), sizes, KEY
-    )
-    out["data_parallel"] = equal(one, sharded)
+    placed = (jax.device_put(x, rows), w, jax.device_put(dy, rows), sizes, KEY)
+    sharded = jax.jit(step)(*placed)
+    text = jax.jit(step).lower(*placed).compile().as_text()
+    out["data_parallel"] = equal(one, sharded) and not gathers(text)
 
     # The same on Explicit axes (jax.make_mesh's default), inside
     # jax.set_mesh and with only the operands' types naming the mesh; the
@@ -124,8 +162,10 @@ def main():
     typed = jax.jit(step)(xe, w, dye, sizes, KEY)
     with jax.set_mesh(explicit):
         in_context = jax.jit(step)(xe, w, dye, sizes, KEY)
+    text = jax.jit(step).lower(xe, w, dye, sizes, KEY).compile().as_text()
     out["explicit_axes"] = (
-        equal(one, typed)
+        not gathers(text)
+        and equal(one, typed)
         and equal(one, in_context)
         and typed[0].sharding.spec == P("d", None)
         and typed[1].sharding.spec == P("d", None)

@@ -2,8 +2,9 @@
 CPU devices equal one device bit for bit (tests/ops/grouped_matmul_sharding_checks.py,
 run in a subprocess): each primitive partitioned along each of its axes,
 without an all-gather (rows form: buffer rows, N, the contraction; tokens
-form: the items, M, N); ragged_dot data parallel (tokens sharded under jit;
-per-expert amaxes over all shards), on Auto and on Explicit mesh axes, and
+form: the items, M, N), the token buffer (halos between neighbouring shards);
+ragged_dot data parallel (tokens sharded under jit, no all-gather of x, dY
+or the results; per-expert amaxes over all shards), on Auto and on Explicit mesh axes, and
 expert parallel (experts sharded in shard_map, each device its experts' rows
 in a padded capacity buffer, forward and gradients)."""
 
@@ -22,7 +23,15 @@ def results():
 
 @pytest.mark.parametrize(
     "check",
-    ["rows_m", "rows_n", "rows_k", "tokens_items", "tokens_m", "tokens_n"],
+    [
+        "rows_m",
+        "rows_n",
+        "rows_k",
+        "tokens_items",
+        "tokens_m",
+        "tokens_n",
+        "token_buffer",
+    ],
 )
 def test_partitioned_primitive_equals_one_device(results, check):
     assert results[check], check
