@@ -58,9 +58,10 @@ __all__ = ["grouped_product"]
 
 class _Groups(NamedTuple):
     """The token buffer's groups (``ops.token_buffer``) for T ``tokens``:
-    ``sizes`` [G] the rows of each group; ``item_group`` [items]: the group of each 16-row
-    block of the buffer (G for the unused tail); ``padded_sizes`` [G]: the
-    sizes rounded up to 16, the buffer's group sizes."""
+    ``sizes`` [G] the rows of each group; ``item_group`` [items]: the group
+    of each 16-row block of the buffer (G for the unused tail);
+    ``padded_sizes`` [G]: the sizes rounded up to 16, the buffer's group
+    sizes."""
 
     sizes: jax.Array
     item_group: jax.Array
