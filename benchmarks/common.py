@@ -1,7 +1,8 @@
 """Shared pieces of the benchmarks: operands, the linear step, timing, clock log.
 
-Not a script: linear_bench.py, step_profile.py, quantize_bench.py and
-multi_gpu_check.py import it (benchmarks/ is on sys.path when one of them runs).
+Not a script: the benchmarks import it (benchmarks/ is on sys.path when one
+of them runs), and through it the examples' shared code, the package
+``nvfp4_examples`` in examples/.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 
@@ -19,6 +22,12 @@ import jax
 import jax.numpy as jnp
 
 import jax_nvfp4 as nv
+
+# examples/ rather than the repository root, whose jax_nvfp4 holds no compiled
+# extension; appended, so nothing installed is hidden.
+_EXAMPLES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "examples"))
+if _EXAMPLES not in sys.path:
+    sys.path.append(_EXAMPLES)
 
 
 def argument_parser(doc: str) -> argparse.ArgumentParser:

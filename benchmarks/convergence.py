@@ -31,10 +31,10 @@ import subprocess
 import sys
 import time
 
+from common import argument_parser  # and examples/ on sys.path
+from nvfp4_examples import train_common
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import train_common  # noqa: E402
-from common import argument_parser  # noqa: E402
 
 PRECISIONS = ("bf16", "nvfp4", "nvfp4_no_rht", "nvfp4_no_sr")
 TOLERANCE = 0.015  # nvfp4's final training loss within 1.5% of bf16's

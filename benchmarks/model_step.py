@@ -5,8 +5,8 @@
     python benchmarks/model_step.py --memory     # peak memory, a process each
     python benchmarks/model_step.py --profile --sizes d2048-8k   # kernel families
 
-The models are examples/llama_flax.py's (Flax NNX; nnx.scan) and
-examples/llama_equinox.py's (Equinox; lax.scan over eqx.filter_vmap-built
+The models are nvfp4_examples.llama_flax's (Flax NNX; nnx.scan) and
+nvfp4_examples.llama_equinox's (Equinox; lax.scan over eqx.filter_vmap-built
 blocks, per-example vmap folded into the GEMMs), --frameworks picks: stacked
 blocks, the last one a stack of its own ("tail"), cudnn attention on a GPU,
 AdamW, fp32 master weights, bf16 compute. Sizes (--sizes, comma-separated):
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -50,16 +49,13 @@ import time
 import equinox as eqx
 import jax
 import optax
-from common import argument_parser, header, write_json
+from common import argument_parser, header, write_json  # and examples/ on sys.path
 from flax import nnx
+from nvfp4_examples import llama_equinox, llama_flax
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-import llama_equinox  # noqa: E402
-import llama_flax  # noqa: E402
-
-import jax_nvfp4.equinox as nveqx  # noqa: E402
-from jax_nvfp4.flax import convert  # noqa: E402
-from jax_nvfp4.policy import Policy, transformer_policy  # noqa: E402
+import jax_nvfp4.equinox as nveqx
+from jax_nvfp4.flax import convert
+from jax_nvfp4.policy import Policy, transformer_policy
 
 SIZES = {
     # name: (d_model, blocks, heads, ffn, batch, seq_len)
@@ -131,7 +127,7 @@ def build_step(size: str, precision: str, remat: str, framework: str = "flax"):
 
 
 def _equinox_step(size, policy, remat, tail, gpu):
-    """(step, state) of examples/llama_equinox.py's model: float32 master
+    """(step, state) of nvfp4_examples.llama_equinox's model: float32 master
     weights cast to bf16 in the step, one stochastic-rounding key per step."""
     d, blocks, heads, ffn, _, _ = SIZES[size]
     model = llama_equinox.Llama(

@@ -3,7 +3,7 @@
     python examples/serve_nvfp4.py                       # 200 steps, then generate
     python examples/serve_nvfp4.py --steps 50 --prompt "WATER, n."
 
-1. Trains examples/llama_equinox.py's model with the NVFP4 recipe (the MLP
+1. Trains nvfp4_examples/llama_equinox.py's model with the NVFP4 recipe (the MLP
    projections of all blocks but the last in NVFP4, the rest bf16).
 2. Names its weights as Hugging Face's Llama does (``model.layers.0.mlp.
    up_proj.weight``, ``[out, in]``) and records the activation amax of each
@@ -29,23 +29,18 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from nvfp4_examples import llama_equinox, train_common
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llama_equinox  # noqa: E402
-import train_common  # noqa: E402
-
-import jax_nvfp4 as nv  # noqa: E402
-import jax_nvfp4.equinox as nveqx  # noqa: E402
-from jax_nvfp4 import checkpoint, hf_names  # noqa: E402
-from jax_nvfp4.format import NVFP4Tensor  # noqa: E402
+import jax_nvfp4 as nv
+import jax_nvfp4.equinox as nveqx
+from jax_nvfp4 import checkpoint, hf_names
+from jax_nvfp4.format import NVFP4Tensor
 
 # The example's linear layers -> Hugging Face Llama's module names, per block
 # (the weights' names come from jax_nvfp4.hf_names).

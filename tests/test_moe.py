@@ -2,8 +2,7 @@
 the policy (``convert``), qwix's interception of ``jax.lax.ragged_dot``, and
 the examples' MoE model that trains."""
 
-import importlib.util
-import pathlib
+import importlib
 
 import flax.linen as nn
 import jax
@@ -246,13 +245,7 @@ def test_llama_moe_example_trains(name, tmp_path):
     """examples/llama_{flax,equinox}.py --experts 4: top-2 routed SwiGLU
     experts in scanned blocks, their projections in NVFP4 through the policy
     (router and the bf16 tail block excluded); the loss falls."""
-    import sys
-
-    path = pathlib.Path(__file__).parents[1] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    # Equinox modules are dataclasses, which look their module up by name.
-    example = sys.modules.setdefault(name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(example)
+    example = importlib.import_module(f"nvfp4_examples.{name}")
     records = example.main(
         [
             "--steps", "8", "--layers", "2", "--d-model", "32", "--heads", "2",

@@ -4,9 +4,6 @@ where convert finds nothing, a forward pass where dot runs one) or a clear
 error at trace time. The exports' cases are in tests/test_export*.py."""
 
 import functools
-import importlib.util
-import pathlib
-import sys
 
 import equinox as eqx
 import jax
@@ -359,16 +356,8 @@ def test_equinox_forward_without_key_runs_like_dot():
 
 
 def test_equinox_moe_example_counts_its_expert_layers():
-    path = pathlib.Path(__file__).parents[1] / "examples" / "llama_equinox.py"
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("llama_equinox", path)
-        example = sys.modules.setdefault(
-            "llama_equinox", importlib.util.module_from_spec(spec)
-        )
-        spec.loader.exec_module(example)
-    finally:
-        sys.path.remove(str(path.parent))
+    from nvfp4_examples import llama_equinox as example
+
     model = example.Llama(
         d_model=32, layers=2, heads=2, ffn=64, experts=4, key=jax.random.key(0)
     )

@@ -30,11 +30,15 @@ This path has not run on Blackwell hardware. Tested on CPU: the
 realignment, the layouts, the handler's plan (its launches, offsets and
 zeroed ranges, through the extension's ``plan_grouped_fp4_gemm``) and a
 NumPy emulation of those launches, run as the primitives' native path
-against their twins (tests/backends/test_fp4_grouped_gemm.py).
+against their twins (tests/backends/test_fp4_grouped_gemm.py), which
+``handler_replaced_by`` puts in the handler's place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -196,7 +200,9 @@ def tokens_operands(a_codes, a_scales, b_codes, b_scales, sizes):
     return (*one(a_codes, a_scales), *one(b_codes, b_scales))
 
 
-def _call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form):
+def handler_call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form):
+    """The FFI call of the handler on the padded operands (``rows_operands``
+    or ``tokens_operands``): [shape] of dtype."""
     count = sizes.shape[0]
     out, _ = jax.ffi.ffi_call(
         TARGET,
@@ -215,6 +221,26 @@ def _call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form):
     return out
 
 
+# What ``rows`` and ``tokens`` call for the GEMM: the handler, unless a block
+# of ``handler_replaced_by`` says otherwise.
+_handler_call: contextvars.ContextVar[Callable[..., jax.Array]] = (
+    contextvars.ContextVar("fp4_grouped_gemm_handler_call", default=handler_call)
+)
+
+
+@contextlib.contextmanager
+def handler_replaced_by(call: Callable[..., jax.Array]) -> Iterator[None]:
+    """Within the block, ``rows`` and ``tokens`` (and so the grouped GEMM
+    primitives' native path) trace ``call``, with ``handler_call``'s
+    signature, in place of the handler: an emulation of it checks the
+    host-side logic where no Blackwell GPU is."""
+    token = _handler_call.set(call)
+    try:
+        yield
+    finally:
+        _handler_call.reset(token)
+
+
 def rows(
     a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, dtype: Any
 ) -> jax.Array:
@@ -226,7 +252,8 @@ def rows(
     n = b_codes.shape[1]
     operands = rows_operands(a_codes, a_scales, b_codes, b_scales)
     shape = (operands[0].shape[0], operands[2].shape[1])
-    out = _call(operands, sizes, a_amax, b_amax, shape, dtype, tokens_form=False)
+    call = _handler_call.get()
+    out = call(operands, sizes, a_amax, b_amax, shape, dtype, tokens_form=False)
     return out[:, :n]
 
 
@@ -241,5 +268,6 @@ def tokens(
     m, n = a_codes.shape[1], b_codes.shape[1]
     operands = tokens_operands(a_codes, a_scales, b_codes, b_scales, sizes)
     shape = (sizes.shape[0], operands[0].shape[0], operands[2].shape[0])
-    out = _call(operands, sizes, a_amax, b_amax, shape, dtype, tokens_form=True)
+    call = _handler_call.get()
+    out = call(operands, sizes, a_amax, b_amax, shape, dtype, tokens_form=True)
     return out[:, :m, :n]

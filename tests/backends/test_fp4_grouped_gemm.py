@@ -110,7 +110,7 @@ def _emulate(plan, operands, a_amax, b_amax, shape, dtype):
 
 
 def _emulated_call(operands, sizes, a_amax, b_amax, shape, dtype, *, tokens_form):
-    """fp4_grouped_gemm._call with the handler replaced by its plan (C++,
+    """fp4_grouped_gemm.handler_call with the handler replaced by its plan (C++,
     through jax_nvfp4._ffi_testing) and the emulation, on the host."""
 
     def host(*args):
@@ -157,14 +157,18 @@ def _bits_equal(a, b):
 @needs_plan
 @pytest.mark.parametrize("dtype", [*DTYPES, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_native_path_on_the_emulated_handler(form, dtype, monkeypatch):
+def test_native_path_on_the_emulated_handler(form, dtype):
     """The grouped GEMM's native path (ops.grouped_matmul's body: groups
     realigned to 128 rows, padded operands, swizzled scales, the handler's
     plan) with the emulated handler equals the twin on operands whose sums
     are exact: unbalanced groups, an empty one, rows off multiples of 16,
     rows past the groups; and on a shard of the buffer (an origin off the
     groups' starts)."""
-    monkeypatch.setattr(fp4_grouped_gemm, "_call", _emulated_call)
+    with fp4_grouped_gemm.handler_replaced_by(_emulated_call):
+        _check_native_path(form, dtype)
+
+
+def _check_native_path(form, dtype):
     twin, operands, sizes = FORMS[form]
     args = list(operands(sizes, seed=12, exact=True))
     got = _body(form, "native_fp4", dtype)(*args, _origin())

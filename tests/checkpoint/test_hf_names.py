@@ -4,21 +4,16 @@ the export of those names with the policy's layer choice."""
 
 import argparse
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from nvfp4_examples import train_common
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import checkpoint, hf_names
 from jax_nvfp4.policy import transformer_policy
-
-EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples")
-sys.path.insert(0, EXAMPLES)
-import train_common  # noqa: E402
 
 LAYERS, D, FFN = 3, 32, 64
 
@@ -50,7 +45,7 @@ def _llama_names(layers):
 def test_equinox_stacks_in_block_order():
     """The Equinox example: two stacks (layers, then the bf16 tail) numbered
     in order, Linear weights already [out, in]."""
-    import llama_equinox
+    from nvfp4_examples import llama_equinox
 
     model = llama_equinox.to_bf16(llama_equinox.build(_args())[0])
     got = hf_names.llama_weights(model, stacks=("layers", "tail"))
@@ -66,7 +61,7 @@ def test_equinox_stacks_in_block_order():
 def test_flax_nnx_kernels_become_out_by_in():
     """The Flax NNX example: kernels [in, out] become weights [out, in],
     embedding and scale become weight."""
-    import llama_flax
+    from nvfp4_examples import llama_flax
 
     model = llama_flax.build(_args())[0]
     got = hf_names.llama_weights(model, stacks=("layers", "tail"))
@@ -179,7 +174,7 @@ def _moe_names(layers, experts, style="mixtral"):
 def test_experts_take_mixtral_or_qwen_names(style):
     """The Equinox example's MoE blocks: the router and one [out, in] tensor
     per expert (Experts hold [E, in, out]), under either naming."""
-    import llama_equinox
+    from nvfp4_examples import llama_equinox
 
     args = _args()
     args.experts, args.top_k = 4, 2
@@ -206,7 +201,7 @@ def test_flax_experts_and_the_export_of_mixtral_names(tmp_path):
     """The Flax NNX example's experts (kernels [E, in, out]) under Mixtral's
     names; transformer_policy puts blocks 0-1's experts in NVFP4 and keeps
     the routers and block 2 in bf16."""
-    import llama_flax
+    from nvfp4_examples import llama_flax
 
     args = _args()
     args.experts, args.top_k = 2, 1

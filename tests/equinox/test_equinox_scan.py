@@ -319,17 +319,9 @@ def test_mixed_stack_folds_inside_the_cond():
 
 
 def _example():
-    import importlib.util
-    import pathlib
-    import sys
+    from nvfp4_examples import llama_equinox
 
-    path = pathlib.Path(__file__).parents[2] / "examples" / "llama_equinox.py"
-    spec = importlib.util.spec_from_file_location("llama_equinox", path)
-    example = importlib.util.module_from_spec(spec)
-    # Equinox modules are dataclasses, which look their module up by name.
-    sys.modules.setdefault("llama_equinox", example)
-    spec.loader.exec_module(sys.modules["llama_equinox"])
-    return sys.modules["llama_equinox"]
+    return llama_equinox
 
 
 def test_llama_equinox_example_folds_and_trains(tmp_path):

@@ -1,14 +1,8 @@
 """examples/serve_nvfp4.py end to end on a tiny model: train in NVFP4,
 export to ModelOpt's format, import, serve with the W4A16 GEMM, generate."""
 
-import os
-import sys
-
 import numpy as np
-
-EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples")
-sys.path.insert(0, EXAMPLES)
-import serve_nvfp4  # noqa: E402
+import serve_nvfp4  # examples/ is on the tests' path (pyproject.toml)
 
 
 def test_train_export_reload_serve(tmp_path):

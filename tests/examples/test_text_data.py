@@ -1,23 +1,17 @@
-"""examples/text_data.py (the GCIDE corpus: dictd parsing, cleaning, the fixed
+"""nvfp4_examples/text_data.py (the GCIDE corpus: dictd parsing, cleaning, the fixed
 split, the corpus file, prepare from a .deb) on the small sample in tests/data,
-and examples/train_common.py (batches, FLOPs, the training loop's records)."""
+and nvfp4_examples/train_common.py (batches, FLOPs, the training loop's records)."""
 
 import argparse
 import gzip
-import os
 import shutil
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples")
-sys.path.insert(0, EXAMPLES)
-import text_data  # noqa: E402
-import train_common  # noqa: E402
+from nvfp4_examples import text_data, train_common
 
 SAMPLE = text_data.sample_path()
 

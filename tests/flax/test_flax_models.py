@@ -311,14 +311,9 @@ def test_convert_again_replaces_the_recipe():
 def test_llama_flax_example_trains(tmp_path):
     """examples/llama_flax.py: stacked blocks under nnx.scan with the remat
     policy that keeps the FP4 residuals, the last block in bf16; loss falls."""
-    import importlib.util
-    import pathlib
+    from nvfp4_examples import llama_flax
 
-    path = pathlib.Path(__file__).parents[2] / "examples" / "llama_flax.py"
-    spec = importlib.util.spec_from_file_location("llama_flax", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    records = example.main(
+    records = llama_flax.main(
         [
             "--steps", "8", "--layers", "2", "--d-model", "32", "--heads", "2",
             "--ffn", "64", "--batch", "4", "--seq-len", "32", "--log-every", "1",

@@ -129,7 +129,7 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 def load_splits(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
     """(train, held_out) uint8 byte tokens (vocab 256) of ``args.data``."""
-    import text_data  # examples/ is on sys.path when an example runs
+    from nvfp4_examples import text_data
 
     path = args.data
     if not os.path.exists(path):
