@@ -5,8 +5,8 @@ without an all-gather (rows form: buffer rows, N, the contraction; tokens
 form: the items, M, N), the token buffer (halos between neighbouring shards);
 ragged_dot data parallel (tokens sharded under jit, no all-gather of x, dY
 or the results; per-expert amaxes over all shards), on Auto and on Explicit
-mesh axes, and expert parallel (experts sharded in shard_map, each device its experts' rows
-in a padded capacity buffer, forward and gradients)."""
+mesh axes, and expert parallel (experts sharded in shard_map, each device
+its experts' rows in a padded capacity buffer, forward and gradients)."""
 
 import pathlib
 
