@@ -26,9 +26,14 @@ Settings (environment variable, default):
 ``w4a16_gemm`` (``JAX_NVFP4_W4A16_GEMM``, on): ``matmul`` of bfloat16
     activations by an NVFP4 weight through the CUDA handler that decodes the
     weight in registers, for few rows; off: the decoded weight and a bf16 GEMM.
-``decoded_operands`` (``JAX_NVFP4_DECODED_OPERANDS``, on): where the GEMM
-    reads decoded bfloat16 operands, the fused quantize writes them instead of
-    codes (same values).
+``gemm_operands`` (``JAX_NVFP4_GEMM_OPERANDS``, ``auto``): the form in which
+    the training recipe's fused quantize writes the operands that only feed a
+    GEMM (same values in either form). ``auto``: decoded bfloat16 values where
+    the default backend is a GPU whose GEMM reads them (the bf16 GEMMs, for
+    bfloat16 inputs), codes elsewhere; ``codes``: always codes; ``decoded``:
+    decoded values wherever the fused kernel writes them (bfloat16 input, the
+    options it serves), on any platform (on the CPU the GEMM then runs its
+    pure-JAX twin). Forcing a form is for tests and comparisons.
 
 Read elsewhere: ``JAX_NVFP4_IMPLEMENTATION`` (``auto``): which implementation
 the primitives lower to. ``auto``: the compiled handlers where they were
@@ -44,8 +49,9 @@ loader at the first GEMM call. ``JAX_NVFP4_CPU_KERNELS``: read by the C++ CPU
 handlers.
 
 On/off switches take ``1``/``true``/``on``/``yes`` and ``0``/``false``/``off``/
-``no`` (any case, surrounding spaces ignored); unset or empty keeps the
-default; any other value is an error at import.
+``no``, ``JAX_NVFP4_GEMM_OPERANDS`` one of ``GEMM_OPERANDS`` (any case,
+surrounding spaces ignored); unset or empty keeps the default; any other
+value is an error at import.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from collections.abc import Iterator
 import jax
 
 __all__ = [
+    "GEMM_OPERANDS",
     "IMPLEMENTATIONS",
     "SWITCHES",
     "Settings",
@@ -69,6 +76,8 @@ __all__ = [
 
 # Values of JAX_NVFP4_IMPLEMENTATION.
 IMPLEMENTATIONS = ("auto", "reference", "native")
+# Values of JAX_NVFP4_GEMM_OPERANDS (the setting gemm_operands).
+GEMM_OPERANDS = ("auto", "codes", "decoded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +90,7 @@ class Settings:
     gemm_graphs: bool = True
     grouped_gemm: bool = True
     w4a16_gemm: bool = True
-    decoded_operands: bool = True
+    gemm_operands: str = "auto"
 
 
 # {environment variable: the Settings field it sets}.
@@ -91,8 +100,10 @@ SWITCHES = {
     "JAX_NVFP4_GEMM_GRAPHS": "gemm_graphs",
     "JAX_NVFP4_GROUPED_GEMM": "grouped_gemm",
     "JAX_NVFP4_W4A16_GEMM": "w4a16_gemm",
-    "JAX_NVFP4_DECODED_OPERANDS": "decoded_operands",
 }
+# The settings that choose among named values: {environment variable:
+# (Settings field, its values)}.
+_CHOICES = {"JAX_NVFP4_GEMM_OPERANDS": ("gemm_operands", GEMM_OPERANDS)}
 _ON = ("1", "true", "on", "yes")
 _OFF = ("0", "false", "off", "no")
 
@@ -110,6 +121,15 @@ def _from_environment() -> Settings:
                 f"{variable}={os.environ[variable]!r}: use 1/true/on/yes or "
                 "0/false/off/no (or leave it unset for the default)"
             )
+    for variable, (field, choices) in _CHOICES.items():
+        value = os.environ.get(variable, "").strip().lower()
+        if value in choices:
+            values[field] = value
+        elif value:
+            raise ValueError(
+                f"{variable}={os.environ[variable]!r}: use one of {choices} (or "
+                "leave it unset for the default)"
+            )
     return Settings(**values)
 
 
@@ -126,17 +146,26 @@ def settings() -> Settings:
 
 
 @contextlib.contextmanager
-def override(**changes: bool) -> Iterator[Settings]:
-    """A scope with some settings changed, e.g. ``override(grouped_gemm=False)``;
-    yields the settings in effect inside it. Computations traced inside it are
-    cached apart from those traced outside."""
+def override(**changes: bool | str) -> Iterator[Settings]:
+    """A scope with some settings changed, e.g. ``override(grouped_gemm=False)``
+    or ``override(gemm_operands="codes")``; yields the settings in effect
+    inside it. Computations traced inside it are cached apart from those
+    traced outside."""
     fields = {f.name for f in dataclasses.fields(Settings)}
+    choices = dict(_CHOICES.values())
     for name, value in changes.items():
         if name not in fields:
             raise TypeError(
                 f"{name!r} is not a jax_nvfp4 setting; known: {sorted(fields)}"
             )
-        if not isinstance(value, bool):
+        if name in choices:
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be one of {choices[name]}, got {value!r}")
+            if value not in choices[name]:
+                raise ValueError(
+                    f"{name} must be one of {choices[name]}, got {value!r}"
+                )
+        elif not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     merged = dict(_SCOPE.value) | changes
     with _SCOPE(tuple(sorted(merged.items()))):

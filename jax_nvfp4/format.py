@@ -47,10 +47,16 @@ Block = Literal["1x16", "16x16"]
 Rounding = Literal["nearest", "stochastic"]
 
 
-def holds_values(codes) -> bool:
-    """Whether a GEMM operand's ``codes`` array holds its bfloat16 values e2m1
-    * block scale (a decoded operand) rather than packed uint8 codes."""
-    return getattr(codes, "dtype", None) == jnp.bfloat16
+def check_leaf_dtype(leaf, dtype, what: str) -> None:
+    """Refuses a pytree leaf holding an array of another dtype than ``dtype``,
+    with ``what`` saying what the leaf must hold. Leaves without a real dtype
+    pass: JAX rebuilds pytrees with placeholders (None, ``in_axes`` entries,
+    shardings) and gives integer leaves float0 tangents."""
+    got = getattr(leaf, "dtype", None)
+    if not isinstance(got, np.dtype) or got == jax.dtypes.float0:
+        return
+    if got != np.dtype(dtype):
+        raise TypeError(f"{what}, got {got} {tuple(getattr(leaf, 'shape', ()))}")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -69,12 +75,8 @@ class NVFP4Tensor:
       rht: whether the values are Random-Hadamard-transformed along ``axis``
         (``dequantize`` then returns the transformed values).
 
-    A tensor whose ``codes`` are bfloat16 (``decoded``) holds the elements'
-    values e2m1 * block scale ``[*stored_shape]`` (exact; the amax not
-    applied) instead of packed codes: the operand form of the bf16 GEMM on
-    GPUs without FP4 tensor cores, which the training recipe's fused quantize
-    writes directly for operands that feed only a GEMM. Only ``matmul`` takes
-    such a tensor.
+    ``codes`` is always packed uint8 codes; constructing one with another
+    dtype raises ``TypeError``.
     """
 
     codes: jax.Array
@@ -85,16 +87,18 @@ class NVFP4Tensor:
     block: Block = "1x16"
     rht: bool = False
 
+    def __post_init__(self):
+        check_leaf_dtype(
+            self.codes,
+            np.uint8,
+            "NVFP4Tensor.codes must be packed uint8 E2M1 codes (two per byte); "
+            "make NVFP4Tensors with jax_nvfp4.quantize",
+        )
+
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """The logical shape with the quantized axis moved last."""
-        rest = tuple(d for i, d in enumerate(self.shape) if i != self.axis)
-        return (*rest, self.shape[self.axis])
-
-    @property
-    def decoded(self) -> bool:
-        """``codes`` holds bfloat16 values e2m1 * scale, not packed codes."""
-        return holds_values(self.codes)
+        return stored_shape(self.shape, self.axis)
 
     @property
     def ndim(self) -> int:
@@ -121,9 +125,14 @@ class NVFP4Tensor:
     def __repr__(self) -> str:
         return (
             f"NVFP4Tensor(shape={self.shape}, axis={self.axis}, "
-            f"block={self.block!r}, rht={self.rht}"
-            + (", decoded=True)" if self.decoded else ")")
+            f"block={self.block!r}, rht={self.rht})"
         )
+
+
+def stored_shape(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """``shape`` with the quantized ``axis`` moved last (how it is stored)."""
+    rest = tuple(d for i, d in enumerate(shape) if i != axis)
+    return (*rest, shape[axis])
 
 
 def e2m1_decode_table() -> np.ndarray:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import reference
-from jax_nvfp4.format import NVFP4Tensor, holds_values
+from jax_nvfp4.format import NVFP4Tensor
 
 __all__ = ["GivenAmax", "given_amax"]
 
@@ -45,10 +45,10 @@ class GivenAmax:
         usable = (self.value > 0) & (self.value < np.inf)
         return jnp.where(usable, self.value, _PROBE_AMAX)
 
-    def mark(self, values, scales):
+    def mark(self, values, scales, *, decoded=False):
         """(values, scales, amax) of the quantized result, marked invalid
-        where the amax is: every scale the E4M3 NaN (0x7F), decoded values
-        NaN, the amax NaN."""
+        where the amax is: every scale the E4M3 NaN (0x7F), the values NaN
+        where they are ``decoded`` bfloat16 (codes stay), the amax NaN."""
         if not self.checked:
             return values, scales, self.value
         amax = self.value
@@ -57,7 +57,7 @@ class GivenAmax:
         holds_data = jnp.any((s > 0) & (s < np.inf))
         valid = ((amax > 0) & (amax < np.inf)) | ((amax == 0) & ~holds_data)
         scales = jnp.where(valid, scales, jnp.array(np.nan, scales.dtype))
-        if holds_values(values):
+        if decoded:
             values = jnp.where(valid, values, jnp.array(np.nan, values.dtype))
         return values, scales, jnp.where(valid, amax, np.float32(np.nan))
 

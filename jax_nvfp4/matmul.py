@@ -8,6 +8,10 @@ primitive's business (``jax_nvfp4.ops.matmul``).
 ``matmul(x, w)`` with bfloat16 activations x and an NVFP4 weight w is the
 weight-only GEMM of serving (W4A16): ``out = (A_w / 2688) * sum_k x *
 e2m1(w) s_w`` (the primitive ``jax_nvfp4.ops.w4a16_matmul``).
+
+``matmul_gemm_operands`` is the same GEMM for the training recipe, whose
+operands may also be ``DecodedOperand``s (the bfloat16 form the fused
+quantize writes for the bf16 GEMMs).
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_nvfp4.decoded_operand import DecodedOperand
 from jax_nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from jax_nvfp4.quantize import implementation_ops
 
 __all__ = ["matmul"]
 
 
-def _stored_rank3(t: NVFP4Tensor, name: str):
+def _stored_rank3(t: NVFP4Tensor | DecodedOperand, name: str):
+    """The primitive's operand (codes or bfloat16 values, scales, amax) in
+    its rank-3 layout [batch, rows, ...]."""
     stored = t.stored_shape
     if len(stored) < 2:
         raise ValueError(
@@ -33,8 +40,12 @@ def _stored_rank3(t: NVFP4Tensor, name: str):
         )
     batch = math.prod(stored[:-2])
     rows, length = stored[-2], stored[-1]
+    if isinstance(t, DecodedOperand):
+        operand = t.values.reshape(batch, rows, length)
+    else:
+        operand = t.codes.reshape(batch, rows, length // 2)
     return (
-        t.codes.reshape(batch, rows, length if t.decoded else length // 2),
+        operand,
         t.scales.reshape(batch, rows, length // BLOCK_SIZE),
         jnp.asarray(t.amax, jnp.float32).reshape(1),
     )
@@ -72,8 +83,6 @@ def _weight_only(x, w: NVFP4Tensor, out_dtype, implementation):
             "the weight is Random-Hadamard-transformed along K, which only cancels "
             "against transformed activations: quantize x with rht=True as well"
         )
-    if w.decoded:
-        raise ValueError("the weight holds decoded values; pass its NVFP4 codes")
     n, k = stored
     if x.ndim < 1 or x.shape[-1] != k:
         raise ValueError(f"x {x.shape} must end in the weight's K={k} (w is [N, K])")
@@ -130,6 +139,20 @@ def matmul(
             ),
             in_axes=(0 if a.batch_ndim else None, 0 if b.batch_ndim else None),
         )(a, b)
+    return matmul_gemm_operands(
+        a, b, out_dtype=out_dtype, implementation=implementation
+    )
+
+
+def matmul_gemm_operands(
+    a: NVFP4Tensor | DecodedOperand,
+    b: NVFP4Tensor | DecodedOperand,
+    *,
+    out_dtype=jnp.bfloat16,
+    implementation: str = "ffi",
+):
+    """``matmul`` of two operands without vmapped axes, either of which may
+    be a ``DecodedOperand``: the training recipe's GEMMs."""
     if a.rht != b.rht:
         raise ValueError(
             "both operands must be Random-Hadamard-transformed along K or neither "

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import ops, reference
+from jax_nvfp4.decoded_operand import DecodedOperand
 from jax_nvfp4.format import (
     BLOCK_SIZE,
     Block,
     NVFP4Tensor,
     Rounding,
-    holds_values,
     is_supported_input_dtype,
 )
 from jax_nvfp4.given_amax import GivenAmax, given_amax
@@ -298,20 +298,18 @@ def _check_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def _wrap(codes, scales, amax, shape, axis, block, rht) -> NVFP4Tensor:
-    """codes: packed uint8 codes or (a decoded side) bfloat16 values."""
+def _wrap(
+    codes, scales, amax, shape, axis, block, rht, decoded=False
+) -> NVFP4Tensor | DecodedOperand:
+    """codes: packed uint8 codes, or (``decoded``) bfloat16 values."""
     rest = tuple(d for i, d in enumerate(shape) if i != axis)
     length = shape[axis]
-    decoded = holds_values(codes)
-    return NVFP4Tensor(
-        codes=codes.reshape(*rest, length if decoded else length // 2),
-        scales=scales.reshape(*rest, length // BLOCK_SIZE),
-        amax=amax,
-        shape=tuple(shape),
-        axis=axis,
-        block=block,
-        rht=rht,
-    )
+    scales = scales.reshape(*rest, length // BLOCK_SIZE)
+    if decoded:
+        values = codes.reshape(*rest, length)
+        return DecodedOperand(values, scales, amax, tuple(shape), axis, block, rht)
+    codes = codes.reshape(*rest, length // 2)
+    return NVFP4Tensor(codes, scales, amax, tuple(shape), axis, block, rht)
 
 
 def quantize_rowwise_and_columnwise(
@@ -383,14 +381,14 @@ def quantize_shard_rows_cols(
     row_decoded: bool = False,
     col_decoded: bool = False,
     amax_trusted: bool = False,
-) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+) -> tuple[NVFP4Tensor | DecodedOperand, NVFP4Tensor | DecodedOperand]:
     """``quantize_rowwise_and_columnwise`` for the recipe: ``words``,
     ``place`` and ``amax_trusted`` as in ``quantize_shard``; ``row_decoded`` /
     ``col_decoded`` (where the dispatcher says the GEMM reads bfloat16
-    operands): return that side as a ``decoded`` NVFP4Tensor, its bfloat16
-    GEMM operand, written by the fused kernel in place of the codes -- for
-    the options that kernel serves (``ops.fused_writes_values``); otherwise
-    both sides come as codes."""
+    operands): return that side as a ``DecodedOperand``, its bfloat16 GEMM
+    operand, written by the fused kernel in place of the codes -- for the
+    options that kernel serves (``ops.fused_writes_values``); otherwise both
+    sides come as NVFP4Tensors."""
     x = _check_input(x)
     if x.ndim < 2:
         raise ValueError(
@@ -453,11 +451,16 @@ def quantize_shard_rows_cols(
         cols=col_spec,
         place=placement,
     )
-    row_codes, row_scales, row_amax = row_given.mark(row_codes, row_scales)
-    col_codes, col_scales, col_amax = col_given.mark(col_codes, col_scales)
-    rows = _wrap(row_codes, row_scales, row_amax, x.shape, n - 1, row_block, row_rht)
-    cols = _wrap(col_codes, col_scales, col_amax, x.shape, n - 2, col_block, col_rht)
-    return rows, cols
+    sides = []
+    for given, codes, scales, axis, block, rht, spec in (
+        (row_given, row_codes, row_scales, n - 1, row_block, row_rht, row_spec),
+        (col_given, col_codes, col_scales, n - 2, col_block, col_rht, col_spec),
+    ):
+        codes, scales, amax = given.mark(codes, scales, decoded=spec.decoded)
+        sides.append(
+            _wrap(codes, scales, amax, x.shape, axis, block, rht, spec.decoded)
+        )
+    return sides[0], sides[1]
 
 
 def dequantize(
@@ -475,11 +478,6 @@ def dequantize(
     """
     if not isinstance(t, NVFP4Tensor):
         raise TypeError(f"dequantize takes an NVFP4Tensor, got {type(t).__name__}")
-    if t.decoded:
-        raise ValueError(
-            "this NVFP4Tensor holds its bfloat16 GEMM operand (decoded=True), "
-            "not codes; only matmul takes it"
-        )
     if t.batch_ndim:  # returned by vmap: [batch..., *t.shape]
         return jax.vmap(
             functools.partial(dequantize, dtype=dtype, implementation=implementation)

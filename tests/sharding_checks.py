@@ -268,16 +268,10 @@ results["shard_map fsdp"] = {
 # --- The bf16 GEMM operands written by the fused quantize (the Hopper path),
 # forced on here: bfloat16 x and w, the same cases against one device with
 # codes (the operands' values are the same; sums in another order). ---------
-from jax_nvfp4.recipe import steps as recipe_steps  # noqa: E402
-
 xb, wb = xd.astype(jnp.bfloat16), wd.astype(jnp.bfloat16)
 (_, yb0), (dxb0, dwb0) = jax.jit(step)(xb, wb)
-codes_decision = recipe_steps.write_gemm_operands
-recipe_steps.write_gemm_operands = lambda recipe, a: (
-    recipe.implementation == "ffi" and a.dtype == jnp.bfloat16
-)
-try:
-    # New functions, so that nothing traced before the switch is reused.
+with nv.config.override(gemm_operands="decoded"):
+
     def decoded_loss(x, w):
         return loss(x, w)
 
@@ -320,8 +314,6 @@ try:
         put(xb, mesh, P("data", None)),
         put(wb, mesh, P("data", None)),
     )
-finally:
-    recipe_steps.write_gemm_operands = codes_decision
 
 
 # The quantized bytes inside shard_map with axis_name == one device's.

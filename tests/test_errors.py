@@ -81,6 +81,30 @@ def test_dequantize_rejects():
         nv.dequantize(t, jnp.int8)
 
 
+def test_nvfp4_tensor_holds_codes_only():
+    """An NVFP4Tensor's codes are packed uint8 codes: other arrays (e.g. the
+    bfloat16 values e2m1 * scale) are refused, eager and traced; the
+    placeholder leaves JAX rebuilds pytrees with still pass."""
+    t = nv.quantize(jnp.ones((32, 32), jnp.bfloat16))
+    values = jnp.ones((32, 32), jnp.bfloat16)
+
+    def wrap(codes):
+        return nv.NVFP4Tensor(codes, t.scales, t.amax, t.shape, t.axis)
+
+    message = "NVFP4Tensor.codes must be packed uint8.*got bfloat16 \\(32, 32\\)"
+    with pytest.raises(TypeError, match=message):
+        wrap(values)
+    with pytest.raises(TypeError, match="codes must be packed uint8"):
+        jax.jit(lambda v: wrap(v).amax)(values)
+    assert jax.eval_shape(lambda t: t, t).codes.dtype == jnp.uint8
+    assert jax.tree.map(lambda a: None, t, is_leaf=lambda a: a is None).codes is None
+    axes = jax.tree.map(lambda a: 0, t)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), t)
+    assert jax.vmap(lambda t: t.amax, in_axes=(axes,))(stacked).shape == (2,)
+    tangent = jax.grad(lambda t: t.amax * 2, allow_int=True)(t)
+    assert tangent.codes.dtype == jax.dtypes.float0
+
+
 def test_errors_under_jit():
     with pytest.raises(ValueError, match="multiple of 16"):
         jax.jit(nv.quantize)(jnp.zeros((4, 40)))

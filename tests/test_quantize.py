@@ -10,6 +10,7 @@ import pytest
 from conftest import assert_same_bytes, on_cpu, outlier_data, rows_cols
 
 import jax_nvfp4 as nv
+from jax_nvfp4.decoded_operand import DecodedOperand
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
@@ -205,7 +206,7 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
         (decoded.get("row_decoded", False), decoded.get("col_decoded", False)),
         strict=True,
     ):
-        assert g.decoded == gv.decoded == flag
+        assert isinstance(g, DecodedOperand) == isinstance(gv, DecodedOperand) == flag
         for t, ref in ((g, w), (gv, wv)):
             np.testing.assert_array_equal(t.amax, ref.amax)
             np.testing.assert_array_equal(
@@ -220,12 +221,22 @@ def test_fused_decoded_outputs_are_the_decoded_codes(options):
                 ref.codes.reshape(1, -1, ref.codes.shape[-1]),
                 ref.scales.reshape(1, -1, ref.scales.shape[-1]),
             ).reshape(*lead, -1)
-            assert t.codes.dtype == jnp.bfloat16 and t.codes.shape == values.shape
-            np.testing.assert_array_equal(
-                np.asarray(t.codes).view(np.uint16), np.asarray(values).view(np.uint16)
+            assert t.values.dtype == jnp.bfloat16 and t.values.shape == values.shape
+            assert (t.shape, t.axis, t.block, t.rht) == (
+                ref.shape,
+                ref.axis,
+                ref.block,
+                ref.rht,
             )
-    with pytest.raises(ValueError, match="decoded=True"):
-        nv.dequantize(got[0] if got[0].decoded else got[1])
+            np.testing.assert_array_equal(
+                np.asarray(t.values).view(np.uint16), np.asarray(values).view(np.uint16)
+            )
+    # The decoded operand is the GEMM's alone: the public functions refuse it.
+    decoded_side = got[0] if isinstance(got[0], DecodedOperand) else got[1]
+    with pytest.raises(TypeError, match="dequantize takes an NVFP4Tensor"):
+        nv.dequantize(decoded_side)
+    with pytest.raises(TypeError, match="matmul takes NVFP4Tensors"):
+        nv.matmul(decoded_side, decoded_side)
 
 
 @pytest.mark.parametrize(
@@ -246,7 +257,7 @@ def test_decoded_request_the_kernel_cannot_serve_gives_codes(options):
     plain = nv.quantize_rowwise_and_columnwise(x, **options)
     asked = rows_cols(x, row_decoded=True, col_decoded=True, **options)
     for t, ref in zip(asked, plain, strict=True):
-        assert not t.decoded
+        assert isinstance(t, nv.NVFP4Tensor)
         assert_same_bytes(t, ref)
 
 

@@ -121,15 +121,17 @@ def test_non_finite_stays_in_its_group():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decoded_operands_give_the_same_bits(dtype, monkeypatch):
+def test_decoded_operands_give_the_same_bits(dtype):
     """Where the dispatcher asks for decoded GEMM operands (the GPUs' bf16
-    GEMMs read them), the fused quantize writes bfloat16 values for bfloat16
-    inputs (x's rows, both of dY's copies) and every GEMM takes them: on the
-    CPU the results are the loop's bit for bit, as with codes."""
-    monkeypatch.setattr(dispatch, "grouped_decoded_operands", lambda: True)
+    GEMMs read them; forced here by the setting ``gemm_operands``), the fused
+    quantize writes bfloat16 values for bfloat16 inputs (x's rows, both of
+    dY's copies) and every GEMM takes them: on the CPU the results are the
+    loop's bit for bit, as with codes."""
     sizes = SIZES["unbalanced"]
     x, w, dy = _operands(sizes, dtype, seed=3)
-    got = _ragged_step(nv.NVFP4_NO_SR)(x, w, sizes, dy)
+    with nv.config.override(gemm_operands="decoded"):
+        assert dispatch.grouped_decoded_operands()
+        got = _ragged_step(nv.NVFP4_NO_SR)(x, w, sizes, dy)
     _assert_equal(got, _loop_step(nv.NVFP4_NO_SR, sizes)(x, w, dy))
     assert not np.any(np.asarray(got[2][1], np.float32))  # the empty group
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import on_cpu, outlier_data
 
 import jax_nvfp4 as nv
-from jax_nvfp4.recipe import steps as recipe_steps
+from jax_nvfp4 import config
 
 
 def _loss(recipe, key):
@@ -41,9 +41,9 @@ def test_recipe_matches_pure_jax_reference(tokens, recipe):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(jnp.abs(b).max()))
 
 
-@pytest.mark.parametrize("operands", ["default", "decoded", "codes"])
+@pytest.mark.parametrize("operands", ["auto", "decoded", "codes"])
 @pytest.mark.parametrize("recipe", [nv.NVFP4, nv.NVFP4_NO_RHT])
-def test_recipe_bf16_matches_pure_jax_reference(recipe, operands, monkeypatch):
+def test_recipe_bf16_matches_pure_jax_reference(recipe, operands):
     """bfloat16 activations and weights (on a GPU: the paired-lane quantize
     kernel for X, dY and the 2D weights, and GEMMs writing bfloat16):
     y, dx and dw equal the reference's up to one bfloat16 rounding of float32
@@ -52,16 +52,8 @@ def test_recipe_bf16_matches_pure_jax_reference(recipe, operands, monkeypatch):
     elements by more than this bound. operands: the recipe's own choice
     (on a Hopper GPU: the fused quantize writes x's and dY's bf16 GEMM
     operands), that forced on (on the CPU: the pure-JAX twin of the decoded
-    quantize and the GEMM on decoded operands), or codes throughout."""
-    if operands != "default":
-        forced = operands == "decoded"
-        monkeypatch.setattr(
-            recipe_steps,
-            "write_gemm_operands",
-            lambda r, a: (
-                forced and r.implementation == "ffi" and a.dtype == jnp.bfloat16
-            ),
-        )
+    quantize and the GEMM on decoded operands), or codes throughout
+    (the setting ``gemm_operands``)."""
     x = outlier_data(0, (64, 64), jnp.bfloat16)
     w = outlier_data(1, (64, 32), jnp.bfloat16) * 0.1
     dy = outlier_data(2, (64, 32), jnp.bfloat16)
@@ -75,7 +67,8 @@ def test_recipe_bf16_matches_pure_jax_reference(recipe, operands, monkeypatch):
 
         return f
 
-    got = jax.jit(step(recipe))(x, w, dy)
+    with config.override(gemm_operands=operands):
+        got = jax.jit(step(recipe))(x, w, dy)
     want = on_cpu(step(ref), x, w, dy)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype == jnp.bfloat16
@@ -83,6 +76,39 @@ def test_recipe_bf16_matches_pure_jax_reference(recipe, operands, monkeypatch):
         # One bfloat16 ulp (<= 2^-7 relative) per element, plus the float32
         # reordering error (~K * 2^-24 * sum |terms|) where sums cancel.
         np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-4 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("recipe", [nv.NVFP4, nv.NVFP4_NO_RHT])
+def test_decoded_operands_give_the_codes_bits(recipe, out_dtype):
+    """The recipe with its GEMM-only operands forced decoded (x's rows, both
+    of dY's copies as bfloat16 values) equals it with codes throughout, bit
+    for bit on the CPU: y, dx and dw."""
+    x = outlier_data(6, (48, 64), jnp.bfloat16)
+    w = outlier_data(7, (64, 32), jnp.bfloat16) * 0.1
+    dy = outlier_data(8, (48, 32), out_dtype)
+    key = jax.random.key(9)
+
+    def step(x, w, dy):
+        def f(x, w):
+            return nv.dot(
+                x, w, key=key, recipe=recipe, preferred_element_type=out_dtype
+            )
+
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(dy))
+
+    results = {}
+    for form in ("codes", "decoded"):
+        with config.override(gemm_operands=form):
+            jaxpr = str(jax.make_jaxpr(step)(x, w, dy))
+            assert ("decoded=True" in jaxpr) == (form == "decoded")
+            results[form] = on_cpu(jax.jit(step), x, w, dy)
+    for a, b in zip(results["decoded"], results["codes"], strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
+        )
 
 
 def test_bf16_recipe_is_jnp_dot():

@@ -39,7 +39,7 @@ from jax_nvfp4.backends.operands import (
     check_dtype,
     workspace_bytes,
 )
-from jax_nvfp4.format import holds_values
+from jax_nvfp4.reference.gemm import is_decoded
 
 __all__ = [
     "DECODE_TARGET",
@@ -143,14 +143,14 @@ def matmul_bf16(
     [batch, M, K/2], a_scales float8_e4m3fn [batch, M, K/16], a_amax float32
     [1 or batch], b likewise with N rows and a batch of 1 or a's; dtype is
     bfloat16 or float32. An operand whose codes are bfloat16 already holds its
-    values [batch, rows, K] (``format.holds_values``). Runs only on a CUDA GPU
+    values [batch, rows, K] (``reference.gemm.is_decoded``). Runs only on a CUDA GPU
     of compute capability >= 8.0 with the handler built (elsewhere the custom
     call fails to compile or to run, with a message). decode_handler: decode
     with ``decode_bf16_cuda`` instead of XLA's fusion of ``decode_bf16`` (same
     values).
     """
     dtype = check_dtype(dtype)
-    a_decoded, b_decoded = holds_values(a_codes), holds_values(b_codes)
+    a_decoded, b_decoded = is_decoded(a_codes), is_decoded(b_codes)
     if not (a_decoded or b_decoded):  # (decoded operands: checked by matmul)
         check_codes_operands(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax)
     decode = decode_bf16_cuda if decode_handler else decode_bf16

@@ -99,7 +99,7 @@ def _names(key: str) -> tuple[str, str]:
 
 
 def _check_nvfp4_tensor(name: str, t: NVFP4Tensor) -> None:
-    if t.decoded or t.rht or t.batch_ndim or t.ndim != 2 or t.axis != 1:
+    if t.rht or t.batch_ndim or t.ndim != 2 or t.axis != 1:
         raise ValueError(
             f"{name!r}: an NVFP4Tensor exports only as an [N, K] weight quantized "
             f"along K (axis=1, no RHT, packed codes); got {t!r}"

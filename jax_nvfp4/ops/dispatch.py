@@ -28,8 +28,9 @@ handler where it is built, and the cuBLASLt bf16 GEMM) or ``"xla"`` (the
 twin).
 
 Operand form, chosen when traced (``decoded_operands``,
-``grouped_decoded_operands``): whether the fused quantize writes the GEMM's
-bfloat16 operands instead of codes. Every GEMM path takes either form.
+``grouped_decoded_operands``, from the setting ``gemm_operands``): whether
+the fused quantize writes the GEMM's bfloat16 operands instead of codes.
+Every GEMM path takes either form.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from jax_nvfp4.backends import (
     library,
     w4a16_gemm,
 )
-from jax_nvfp4.format import holds_values
+from jax_nvfp4.reference.gemm import is_decoded
 
 __all__ = [
     "DENSE",
@@ -94,15 +95,25 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _forced_operands() -> bool | None:
+    """The setting ``gemm_operands``: True for "decoded", False for "codes",
+    None for "auto" (the dispatcher decides)."""
+    form = config.settings().gemm_operands
+    return None if form == "auto" else form == "decoded"
+
+
 def decoded_operands(dtype) -> bool:
     """Whether quantizations that only feed a dense GEMM should write its
     bfloat16 operands (decoded) instead of codes it would decode right after:
     on the cuBLASLt bf16 path when the GPU is the default backend, for
-    bfloat16 inputs. Same values either way; it saves the codes' write, their
-    read and the decode kernel."""
+    bfloat16 inputs (setting ``gemm_operands="auto"``); always or never where
+    the setting forces a form. Same values either way; it saves the codes'
+    write, their read and the decode kernel."""
+    forced = _forced_operands()
+    if forced is not None:
+        return forced
     return (
-        config.settings().decoded_operands
-        and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+        jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
         and _on_gpu()
         and dense_path() == "cublaslt_bf16"
     )
@@ -129,13 +140,13 @@ def grouped_decoded_operands() -> bool:
     """Whether ``ragged_dot``'s quantizations that only feed the grouped GEMM
     should write its bfloat16 operands instead of codes: when the GPU is the
     default backend and its grouped GEMM (``grouped_path``) reads bf16
-    operands. Asked when traced; the GEMM, chosen when lowered, takes either
-    form."""
-    return (
-        config.settings().decoded_operands
-        and _on_gpu()
-        and grouped_path() != "native_fp4"
-    )
+    operands (setting ``gemm_operands="auto"``); always or never where the
+    setting forces a form. Asked when traced; the GEMM, chosen when lowered,
+    takes either form."""
+    forced = _forced_operands()
+    if forced is not None:
+        return forced
+    return _on_gpu() and grouped_path() != "native_fp4"
 
 
 def w4a16_path(
@@ -180,7 +191,7 @@ def matmul_cuda(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
     """The matmul primitive's CUDA lowering body: the GEMM of ``dense_path``.
     Decoded operands take a bf16 GEMM on any GPU."""
     path = dense_path()
-    decoded = holds_values(a_codes) or holds_values(b_codes)
+    decoded = is_decoded(a_codes) or is_decoded(b_codes)
     if path == "cublaslt_bf16" or (path == "native_fp4" and decoded):
         fn = functools.partial(
             bf16_gemm.matmul_bf16,

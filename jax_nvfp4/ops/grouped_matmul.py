@@ -14,9 +14,10 @@ tokens are the contraction):
 
 alpha_g = (A_a[g] / 2688) * (A_b[g] / 2688) from the per-group amaxes [G],
 applied once to the float32 sums, one rounding to ``dtype``. An operand's
-codes may hold its bfloat16 values e2m1 * scale (``format.holds_values``),
-as the matmul primitive's may. ``origin`` [1] is the buffer row (rows form)
-or item (tokens form) of the operands' first one: 0, or a shard's offset.
+codes may hold its bfloat16 values e2m1 * scale instead
+(``reference.gemm.is_decoded``), as the matmul primitive's may. ``origin``
+[1] is the buffer row (rows form) or item (tokens form) of the operands'
+first one: 0, or a shard's offset.
 
 Lowerings: the CPU runs the matmul primitive's CPU handler once per group
 (the other groups masked), so each sum is the handler's in-order sum and
@@ -42,10 +43,11 @@ from jax import lax
 
 from jax_nvfp4 import reference
 from jax_nvfp4.backends import bf16_grouped_gemm, fp4_grouped_gemm, library
-from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, holds_values
+from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE
 from jax_nvfp4.ops import batching, dispatch, primitive
 from jax_nvfp4.ops.matmul import matmul_p
 from jax_nvfp4.ops.sharding import Dim, Layout
+from jax_nvfp4.reference.gemm import is_decoded
 
 __all__ = [
     "grouped_matmul_rows",
@@ -79,7 +81,7 @@ def _alpha(a_amax, b_amax):
 
 
 def _decoded(*operands) -> bool:
-    return any(holds_values(o) for o in operands)
+    return any(is_decoded(o) for o in operands)
 
 
 # --- abstract evaluation ---------------------------------------------------------
@@ -452,7 +454,7 @@ def _checked(form, a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, 
                 f"got {codes.dtype} {codes.shape}"
             )
         blocks = scales.shape[-1] if scales.ndim == 3 else -1
-        per_block = 16 if holds_values(codes) else 8
+        per_block = 16 if is_decoded(codes) else 8
         if (
             scales.dtype != jnp.float8_e4m3fn
             or scales.shape[:2] != codes.shape[:2]

@@ -5,8 +5,9 @@ over two NVFP4 operands (codes, scales, amax each), alpha = (A_a / 2688) *
 Lowerings: the CPU handler (exact products, summed over k in order); on CUDA
 the GEMM that ``ops.dispatch`` chooses when the computation is lowered.
 An operand's codes may instead hold its bfloat16 values e2m1 * scale
-[b, rows, K] (``format.holds_values``): what the fused quantize writes for
-operands that only feed a GEMM on the Hopper path.
+[b, rows, K] (``reference.gemm.is_decoded``): a ``DecodedOperand``'s, what
+the fused quantize writes for operands that only feed a GEMM on the Hopper
+path.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import reference
-from jax_nvfp4.format import holds_values
 from jax_nvfp4.ops import batching, dispatch, primitive
 from jax_nvfp4.ops.sharding import BATCH, Dim, Layout, per_item
+from jax_nvfp4.reference.gemm import is_decoded
 
 __all__ = ["matmul", "matmul_p"]
 
@@ -90,15 +91,13 @@ matmul_p = primitive.define(
     drop=("dtype",),
     lowerings={"cuda": dispatch.matmul_cuda},
     # The CPU handler multiplies codes; decoded operands take the twin there.
-    handler_applies=lambda avals: (
-        not (holds_values(avals[0]) or holds_values(avals[3]))
-    ),
+    handler_applies=lambda avals: not (is_decoded(avals[0]) or is_decoded(avals[3])),
 )
 
 
 def matmul(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
     """An operand's codes may be its bfloat16 values e2m1 * scale [batch,
-    rows, K] (a decoded NVFP4Tensor's)."""
+    rows, K] (a ``DecodedOperand``'s)."""
     return matmul_p.bind(
         a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, dtype=np.dtype(dtype)
     )

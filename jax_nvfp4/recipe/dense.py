@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_nvfp4.keys import key_words
-from jax_nvfp4.matmul import matmul
+from jax_nvfp4.matmul import matmul_gemm_operands
 from jax_nvfp4.recipe.residuals import OUTPUT, W_RESIDUAL, X_RESIDUAL, named
 from jax_nvfp4.recipe.steps import (
     MISSING_KEY_MESSAGE,
@@ -59,7 +59,7 @@ def _dot2_fwd(x2, w, words, recipe, static):
     )
     w_along_k, w_along_n = quantize_w(w, recipe, nk)
     if recipe.fprop:
-        out = matmul(x_rows, w_along_k, out_dtype=gemm_dtype(out_dtype))
+        out = matmul_gemm_operands(x_rows, w_along_k, out_dtype=gemm_dtype(out_dtype))
         out = out[:tokens].astype(out_dtype)
     else:
         out = bf16_dot(
@@ -92,14 +92,15 @@ def _dot2_bwd(recipe, static, residuals, dy):
         decoded_cols=True,  # dY's column-wise copy feeds WGRAD only
     )
     if recipe.dgrad:
-        dx = matmul(dy_rows, w_saved, out_dtype=gemm_dtype(in_dtype))[:tokens]
+        dx = matmul_gemm_operands(dy_rows, w_saved, out_dtype=gemm_dtype(in_dtype))
+        dx = dx[:tokens]
     else:
         dx = bf16_dot(dy.astype(w_saved.dtype), w_saved, specs and specs[0], b_t=not nk)
     dw_dtype = gemm_dtype(in_dtype)
     if recipe.wgrad and nk:  # dW [N, K] directly: the operands swapped
-        dw = matmul(dy_cols, x_saved, out_dtype=dw_dtype)
+        dw = matmul_gemm_operands(dy_cols, x_saved, out_dtype=dw_dtype)
     elif recipe.wgrad:
-        dw = matmul(x_saved, dy_cols, out_dtype=dw_dtype)
+        dw = matmul_gemm_operands(x_saved, dy_cols, out_dtype=dw_dtype)
     elif nk:
         dw = bf16_dot(dy.astype(x_saved.dtype), x_saved, specs and specs[1], a_t=True)
     else:

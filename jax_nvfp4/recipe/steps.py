@@ -23,9 +23,9 @@ from jax_nvfp4.recipe.presets import Recipe
 
 
 def write_gemm_operands(recipe: Recipe, a: jax.Array) -> bool:
-    """Whether the fused quantizations of x and dY write the GEMM operands of
-    the outputs that only feed a GEMM -- x's rows, both of dY's -- as decoded
-    NVFP4Tensors instead of codes (``dispatch.decoded_operands``)."""
+    """Whether the fused quantizations of x and dY write the outputs that
+    only feed a GEMM -- x's rows, both of dY's -- as ``DecodedOperand``s
+    instead of NVFP4Tensors (``dispatch.decoded_operands``)."""
     return recipe.implementation == "ffi" and dispatch.decoded_operands(a.dtype)
 
 
@@ -90,7 +90,7 @@ def quantize_tokens(
     """a [T, F] (x or dY): row-wise along F (1x16) if ``rows``; column-wise
     along T if ``cols`` (the recipe's RHT, stream 1), T zero-padded to a
     multiple of 16; one fused pass when both. With both, the rows (and the
-    columns if ``decoded_cols``) come as GEMM operands where
+    columns if ``decoded_cols``) come as ``DecodedOperand``s where
     ``write_gemm_operands``."""
     impl = recipe.implementation
     place = token_sharding(a2, axis_name)

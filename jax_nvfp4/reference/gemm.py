@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE, holds_values
+from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE
 from jax_nvfp4.reference.numerics import (
     _F32,
     divide,
@@ -20,10 +20,17 @@ def _gemm_alpha(a_amax, b_amax):
     return (divide(a_amax, r) * divide(b_amax, r)).reshape(-1, 1, 1)
 
 
+def is_decoded(operand) -> bool:
+    """Whether a GEMM operand array (or its aval) holds the bfloat16 values
+    e2m1 * block scale that the fused quantize writes for the bf16 GEMMs,
+    rather than packed uint8 codes: the GEMM primitives take either form."""
+    return getattr(operand, "dtype", None) == jnp.bfloat16
+
+
 def operand_bf16(codes, scales):
     """A GEMM operand as bfloat16 e2m1 * s_b [b, r, l]: decoded from its
     codes, or ``codes`` itself where it already holds those values."""
-    return codes if holds_values(codes) else decode_bf16(codes, scales)
+    return codes if is_decoded(codes) else decode_bf16(codes, scales)
 
 
 def matmul(

@@ -68,6 +68,27 @@ def test_gemm_path_defaults_to_the_cuda_backend(monkeypatch):
     assert bf16_gemm.cublaslt_gemm_supported()
 
 
+def test_operand_form_follows_the_setting(monkeypatch):
+    """gemm_operands: "auto" asks for decoded operands only where the default
+    backend is a GPU whose GEMM reads bfloat16 (so never on the CPU), for
+    bfloat16 inputs; "codes" and "decoded" force a form, dense and grouped."""
+    monkeypatch.setattr(library, "registered_targets", lambda: BOTH)
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (fake_device("gpu", "9.0"),))
+    on_gpu = jax.default_backend() == "gpu"
+    with config.override(gemm_operands="auto"):
+        assert dispatch.decoded_operands(jnp.bfloat16) == on_gpu
+        assert not dispatch.decoded_operands(jnp.float32)
+        assert dispatch.grouped_decoded_operands() == on_gpu
+    with config.override(gemm_operands="codes"):
+        assert not dispatch.decoded_operands(jnp.bfloat16)
+        assert not dispatch.grouped_decoded_operands()
+    with config.override(gemm_operands="decoded"):
+        assert dispatch.decoded_operands(jnp.bfloat16)
+        assert dispatch.grouped_decoded_operands()
+        with config.override(gemm_operands="auto"):  # the innermost wins
+            assert dispatch.decoded_operands(jnp.bfloat16) == on_gpu
+
+
 @pytest.mark.parametrize("decoded", [False, True])
 @pytest.mark.parametrize("path", ["native_fp4", "cublaslt_bf16", "xla_bf16"])
 def test_matmul_cuda_calls_the_chosen_gemm(monkeypatch, path, decoded):
