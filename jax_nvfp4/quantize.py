@@ -261,7 +261,7 @@ def quantize_shard(
             x3, handler_amax, words, origin, rows=spec, place=placement
         )
     codes, scales, amax = given.mark(codes, scales)
-    return _wrap(codes, scales, amax, x.shape, axis, block, rht)
+    return wrap_quantized(codes, scales, amax, x.shape, axis, block, rht)
 
 
 def _global_size(x, place) -> int:
@@ -298,7 +298,7 @@ def _check_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def _wrap(
+def wrap_quantized(
     codes, scales, amax, shape, axis, block, rht, decoded=False
 ) -> NVFP4Tensor | DecodedOperand:
     """codes: packed uint8 codes, or (``decoded``) bfloat16 values."""
@@ -458,7 +458,7 @@ def quantize_shard_rows_cols(
     ):
         codes, scales, amax = given.mark(codes, scales, decoded=spec.decoded)
         sides.append(
-            _wrap(codes, scales, amax, x.shape, axis, block, rht, spec.decoded)
+            wrap_quantized(codes, scales, amax, x.shape, axis, block, rht, spec.decoded)
         )
     return sides[0], sides[1]
 

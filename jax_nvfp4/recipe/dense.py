@@ -25,22 +25,101 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_nvfp4 import ops
 from jax_nvfp4.keys import key_words
 from jax_nvfp4.matmul import matmul_gemm_operands
+from jax_nvfp4.ops import dispatch
+from jax_nvfp4.quantize import wrap_quantized
 from jax_nvfp4.recipe.residuals import OUTPUT, W_RESIDUAL, X_RESIDUAL, named
 from jax_nvfp4.recipe.steps import (
     MISSING_KEY_MESSAGE,
+    TokenAmaxes,
     axis_names,
     bf16_dot,
     check_recipe,
     explicit_specs,
     gemm_dtype,
+    pad_tokens,
     quantize_tokens,
-    quantize_w,
+    quantize_weights,
     refuse_forward_mode,
+    token_sharding,
 )
 
 __all__ = ["dot2d"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tokens:
+    """The dense product's token layout (``steps.TokenLayout``): a [T, F] as
+    one item [1, T zero-padded to a multiple of 16, F] with one amax. Inside
+    shard_map with the tokens sharded over ``axis_name``, the amaxes are
+    reduced over the shards (one collective) and each shard's
+    stochastic-rounding index starts at its first token."""
+
+    axis_name: tuple[str, ...] | None
+
+    def items(self, a):
+        return pad_tokens(a, a.shape[0])[None]
+
+    def amaxes(self, a, items, impl, rht):
+        if rht:  # one read: (plain, token-axis RHT)
+            both = impl.amax(items, cols=True)[0]
+        else:
+            both = jnp.broadcast_to(impl.abs_max(a), (2,))
+        names = axis_names(self.axis_name)
+        if names:
+            both = jax.lax.pmax(both, names)
+        plain, transformed = both[0].reshape(1), both[1].reshape(1)
+        return TokenAmaxes(plain, transformed, plain[0], transformed[0])
+
+    def placement(self, a):
+        place = token_sharding(a, self.axis_name)
+        if place is None:
+            return None, None
+        first, tokens = place
+        origin = jnp.stack([jnp.int32(0), jnp.asarray(first, jnp.int32), jnp.int32(0)])
+        return origin, ops.Place(global_m=tokens, global_k=a.shape[1])
+
+    def elements(self, a):
+        place = token_sharding(a, self.axis_name)
+        return a.size if place is None else a.shape[1] * place[1]
+
+    def operand(self, values, scales, amax, *, along_tokens, spec):
+        """An NVFP4Tensor of the padded tokens [T', F] (a DecodedOperand
+        where ``spec.decoded``), quantized along T' or along F."""
+        rows, blocks = scales.shape[1:]
+        shape = (blocks * 16, rows) if along_tokens else (rows, blocks * 16)
+        return wrap_quantized(
+            values,
+            scales,
+            amax,
+            shape,
+            0 if along_tokens else 1,
+            "1x16",
+            spec.rht,
+            spec.decoded,
+        )
+
+
+def _weights(w, recipe, nk):
+    """w [K, N] (or [N, K] if ``nk``): (along K for FPROP, along N for
+    DGRAD) as NVFP4Tensors, None where not asked; either orientation is read
+    as stored, and the stored results are the same bytes for w and w.T.
+    (Along K stays codes even where the GEMM reads decoded operands: under
+    FSDP-sharded jit the partitioner gathers it, and codes move 4x fewer
+    bytes than a bf16 operand.)"""
+    along_k, along_n = quantize_weights(w[None], recipe, k_last=nk)
+    block = "16x16" if recipe.weight_2d else "1x16"
+    k_axis, n_axis = (1, 0) if nk else (0, 1)
+
+    def tensor(side, axis):
+        if side is None:
+            return None
+        values, scales, amax = side
+        return wrap_quantized(values, scales, amax[0], w.shape, axis, block, False)
+
+    return tensor(along_k, k_axis), tensor(along_n, n_axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -55,9 +134,14 @@ def _dot2_fwd(x2, w, words, recipe, static):
     _, out_dtype, axis_name, specs, nk = static
     tokens = x2.shape[0]
     x_rows, x_cols = quantize_tokens(
-        x2, recipe, rows=recipe.fprop, cols=recipe.wgrad, axis_name=axis_name
+        x2,
+        recipe,
+        _Tokens(axis_name),
+        rows=recipe.fprop,
+        cols=recipe.wgrad,
+        decoded=dispatch.decoded_operands(x2.dtype),
     )
-    w_along_k, w_along_n = quantize_w(w, recipe, nk)
+    w_along_k, w_along_n = _weights(w, recipe, nk)
     if recipe.fprop:
         out = matmul_gemm_operands(x_rows, w_along_k, out_dtype=gemm_dtype(out_dtype))
         out = out[:tokens].astype(out_dtype)
@@ -84,11 +168,12 @@ def _dot2_bwd(recipe, static, residuals, dy):
     dy_rows, dy_cols = quantize_tokens(
         dy,
         recipe,
+        _Tokens(axis_name),
         rows=recipe.dgrad,
         cols=recipe.wgrad,
-        rounding="stochastic" if recipe.stochastic_rounding else "nearest",
-        words=words if recipe.stochastic_rounding else None,
-        axis_name=axis_name,
+        stochastic=recipe.stochastic_rounding,
+        words=words,
+        decoded=dispatch.decoded_operands(dy.dtype),
         decoded_cols=True,  # dY's column-wise copy feeds WGRAD only
     )
     if recipe.dgrad:

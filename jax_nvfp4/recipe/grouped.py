@@ -46,12 +46,17 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_nvfp4 import ops, reference
+from jax_nvfp4 import reference
 from jax_nvfp4.format import BLOCK_SIZE
 from jax_nvfp4.ops import dispatch, token_buffer
 from jax_nvfp4.quantize import implementation_ops
 from jax_nvfp4.recipe.residuals import W_RESIDUAL, X_RESIDUAL
-from jax_nvfp4.recipe.steps import MISSING_KEY_MESSAGE
+from jax_nvfp4.recipe.steps import (
+    MISSING_KEY_MESSAGE,
+    TokenAmaxes,
+    quantize_tokens,
+    quantize_weights,
+)
 
 __all__ = ["grouped_product"]
 
@@ -115,81 +120,57 @@ class _Operand(NamedTuple):
 _NO_KEY = np.zeros((1, 2), np.uint32)
 
 
-def _quantize_tokens(
-    a, groups, recipe, count, *, rows, cols, stochastic, words, ragged, decoded_cols
-):
-    """a [T, F] (x or dY) in the token buffer, each group with its own amaxes:
-    (along F: values [1, buffer rows, F/2 or F], 1x16; along the tokens,
-    RHT as the recipe says, stream 1: [items, F, 8 or 16]), None where not
-    asked. One fused pass when both. On the ragged path the GEMM-only outputs
-    (the rows; the columns if ``decoded_cols``) come decoded where the fused
-    kernel writes them."""
-    impl = implementation_ops(recipe.implementation)
-    features = a.shape[1]
-    items = _to_buffer(a, groups).reshape(-1, BLOCK_SIZE, features)
-    rht = cols and recipe.rht
-    if rht:  # one read: (plain, token-axis RHT) per 16-token block
-        both = impl.amax(items, cols=True)
-        plain, transformed = both[:, 0], both[:, 1]
-    else:
-        plain = jax.vmap(reference.abs_max)(items.reshape(items.shape[0], -1))
-        transformed = plain
-    plain = _group_max(plain, groups.item_group, count)
-    transformed = _group_max(transformed, groups.item_group, count) if rht else plain
-    row_amax = _per_item(plain, groups.item_group)
-    col_amax = _per_item(transformed, groups.item_group)
-    row_spec = ops.QuantizeSpec(stochastic=stochastic, stream=0)
-    col_spec = ops.QuantizeSpec(stochastic=stochastic, rht=recipe.rht, stream=1)
-    along_f = along_t = None
-    if rows and cols:
-        decoded = (
-            ragged
-            and recipe.implementation == "ffi"
-            and ops.fused_writes_values(a.dtype, row_spec, col_spec)
+@dataclasses.dataclass(frozen=True)
+class _Tokens:
+    """The grouped product's token layout (``steps.TokenLayout``): a [T, F]
+    scattered into the token buffer, viewed as items of one 16-token block
+    each, every item quantized with its group's amaxes."""
+
+    groups: _Groups
+
+    def items(self, a):
+        return _to_buffer(a, self.groups).reshape(-1, BLOCK_SIZE, a.shape[1])
+
+    def amaxes(self, a, items, impl, rht):
+        groups, count = self.groups, self.groups.sizes.shape[0]
+        if rht:  # one read: (plain, token-axis RHT) per 16-token block
+            both = impl.amax(items, cols=True)
+            plain, transformed = both[:, 0], both[:, 1]
+        else:
+            plain = jax.vmap(reference.abs_max)(items.reshape(items.shape[0], -1))
+        plain = _group_max(plain, groups.item_group, count)
+        transformed = (
+            _group_max(transformed, groups.item_group, count) if rht else plain
         )
-        if decoded:
-            row_spec = dataclasses.replace(row_spec, decoded=True)
-            col_spec = dataclasses.replace(col_spec, decoded=decoded_cols)
-        rv, rs, cv, cs = impl.quantize_rows_cols(
-            items, row_amax, col_amax, words, rows=row_spec, cols=col_spec
+        return TokenAmaxes(
+            _per_item(plain, groups.item_group),
+            _per_item(transformed, groups.item_group),
+            plain,
+            transformed,
         )
-        along_f, along_t = (rv, rs), (cv, cs)
-    elif rows:
-        along_f = impl.quantize_rows(items, row_amax, words, rows=row_spec)
-    elif cols:
-        along_t = impl.quantize_cols(items, col_amax, words, cols=col_spec)
-    if along_f is not None:
-        rv, rs = along_f
-        along_f = _Operand(
-            rv.reshape(1, -1, rv.shape[-1]), rs.reshape(1, -1, rs.shape[-1]), plain
-        )
-    if along_t is not None:
-        along_t = _Operand(*along_t, transformed)
-    return along_f, along_t
+
+    def placement(self, a):
+        return None, None
+
+    def elements(self, a):
+        return self.groups.buffer_rows * a.shape[1]
+
+    def operand(self, values, scales, amax, *, along_tokens, spec):
+        """Along the tokens: [items, F, 8 or 16] as written; along F: the
+        buffer's rows, [1, buffer rows, F/2 or F]."""
+        if not along_tokens:
+            values = values.reshape(1, -1, values.shape[-1])
+            scales = scales.reshape(1, -1, scales.shape[-1])
+        return _Operand(values, scales, amax)
 
 
-def _quantize_w(w, recipe):
-    """w [G, K, N], one amax per expert: (along K, stored [G, N, K], for FPROP;
-    along N, stored [G, K, N], for DGRAD), None where not asked; the same
-    values both ways with 16x16 tiles."""
-    impl = implementation_ops(recipe.implementation)
-    count = w.shape[0]
-    amax = jax.vmap(reference.abs_max)(w.reshape(count, -1))
-    spec = ops.QuantizeSpec(block_rows=16 if recipe.weight_2d else 1)
-    words = jnp.asarray(_NO_KEY)
-    along_k = along_n = None
-    if recipe.fprop and recipe.dgrad:
-        nv, ns, kv, ks = impl.quantize_rows_cols(
-            w, amax, amax, words, rows=spec, cols=spec
-        )
-        along_k, along_n = (kv, ks), (nv, ns)
-    elif recipe.fprop:
-        along_k = impl.quantize_cols(w, amax, words, cols=spec)
-    elif recipe.dgrad:
-        along_n = impl.quantize_rows(w, amax, words, rows=spec)
+def _weights(w, recipe):
+    """w [G, K, N], one amax per expert: (along K, stored [G, N, K], for
+    FPROP; along N, stored [G, K, N], for DGRAD), None where not asked."""
+    along_k, along_n = quantize_weights(w, recipe)
     return (
-        None if along_k is None else _Operand(*along_k, amax),
-        None if along_n is None else _Operand(*along_n, amax),
+        None if along_k is None else _Operand(*along_k),
+        None if along_n is None else _Operand(*along_n),
     )
 
 
@@ -263,23 +244,19 @@ def _ragged_fwd(x, w, group_sizes, words, recipe, static):
     """static: (input dtype, output dtype, whether the GEMM-only
     quantizations write decoded operands)."""
     _, out_dtype, decoded = static
-    count = w.shape[0]
     groups = _groups(group_sizes, x.shape[0])
     x_rows, x_cols = None, None
     if recipe.fprop or recipe.wgrad:
-        x_rows, x_cols = _quantize_tokens(
+        x_rows, x_cols = quantize_tokens(
             x,
-            groups,
             recipe,
-            count,
+            _Tokens(groups),
             rows=recipe.fprop,
             cols=recipe.wgrad,
-            stochastic=False,
-            words=jnp.asarray(_NO_KEY),
-            ragged=decoded,
+            decoded=decoded,
             decoded_cols=False,  # x's column-wise copy is the residual
         )
-    w_along_k, w_along_n = _quantize_w(w, recipe)
+    w_along_k, w_along_n = _weights(w, recipe)
     if recipe.fprop:
         out = _rows_gemm(x_rows, w_along_k, groups, recipe, out_dtype)
     else:
@@ -301,18 +278,16 @@ def _ragged_fwd(x, w, group_sizes, words, recipe, static):
 def _ragged_bwd(recipe, static, residuals, dy):
     in_dtype, _, decoded = static
     x_saved, w_saved, group_sizes, x_sizes, words = residuals
-    count = group_sizes.shape[0]
     groups = _groups(group_sizes, dy.shape[0])
-    dy_rows, dy_cols = _quantize_tokens(
+    dy_rows, dy_cols = quantize_tokens(
         dy,
-        groups,
         recipe,
-        count,
+        _Tokens(groups),
         rows=recipe.dgrad,
         cols=recipe.wgrad,
         stochastic=recipe.stochastic_rounding,
         words=words,
-        ragged=decoded,
+        decoded=decoded,
         decoded_cols=True,  # dY's column-wise copy feeds WGRAD only
     )
     if recipe.dgrad:

@@ -1,32 +1,28 @@
 """The steps every NVFP4 product is built from: quantizing the tokens (x, dY)
 and the weight, the GEMMs kept in the input dtype, and the checks at the
-product's boundary (a missing key, forward-mode differentiation)."""
+product's boundary (a missing key, forward-mode differentiation).
+
+The dense and the grouped products quantize with the same two steps and
+differ only in how their tokens are laid out for the quantize primitives
+(``TokenLayout``): a dense product's tokens are one item [1, T, F] with one
+amax; a grouped product's are its token buffer's 16-token items, each with
+its group's amaxes. A dense weight is a grouped weight of one expert.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_nvfp4.keys import key_words
-from jax_nvfp4.ops import dispatch
-from jax_nvfp4.quantize import (
-    global_amax,
-    implementation_ops,
-    quantize,
-    quantize_rowwise_and_columnwise,
-    quantize_shard,
-    quantize_shard_rows_cols,
-)
+from jax_nvfp4 import ops
+from jax_nvfp4.keys import key_words, shard_words
+from jax_nvfp4.quantize import implementation_ops
 from jax_nvfp4.recipe.presets import Recipe
-
-
-def write_gemm_operands(recipe: Recipe, a: jax.Array) -> bool:
-    """Whether the fused quantizations of x and dY write the outputs that
-    only feed a GEMM -- x's rows, both of dY's -- as ``DecodedOperand``s
-    instead of NVFP4Tensors (``dispatch.decoded_operands``)."""
-    return recipe.implementation == "ffi" and dispatch.decoded_operands(a.dtype)
 
 
 def pad_tokens(a: jax.Array, tokens: int) -> jax.Array:
@@ -61,101 +57,132 @@ def token_sharding(a2, axis_name):
     return index * tokens, tokens * count
 
 
-def shard_amaxes(a2, rht, axis_name, implementation):
-    """(plain amax, token-axis RHT amax) of the whole token-sharded tensor;
-    one read of a2 and one collective."""
-    names = axis_names(axis_name)
-    if not names:
-        return None, None
-    if not rht:
-        plain = jax.lax.pmax(global_amax(a2), names)
-        return plain, plain
-    impl = implementation_ops(implementation)
-    both = impl.amax(a2.reshape(1, *a2.shape), cols=True)[0]  # (plain, RHT)
-    both = jax.lax.pmax(both, names)
-    return both[0], both[1]
+class TokenAmaxes(NamedTuple):
+    """The amaxes of a token operand: one per item for the quantize
+    primitives (``rows``: plain, for the quantization along the features;
+    ``cols``: of the token-axis RHT where the recipe transforms, for the
+    quantization along the tokens), and as the quantized operands keep them
+    for the GEMMs' alpha (``rows_kept``, ``cols_kept``)."""
+
+    rows: jax.Array
+    cols: jax.Array
+    rows_kept: jax.Array
+    cols_kept: jax.Array
+
+
+class TokenLayout(Protocol):
+    """How a product lays out its tokens a [T, F] (x or dY) for the quantize
+    primitives."""
+
+    def items(self, a: jax.Array) -> jax.Array:
+        """a as [items, rows, F]; rows a multiple of 16 (zero-padded)."""
+
+    def amaxes(self, a, items, impl, rht: bool) -> TokenAmaxes:
+        """The amaxes (``rht``: the column-wise quantization transforms)."""
+
+    def placement(self, a):
+        """(origin, ops.Place) of a shard of a larger tensor, or (None,
+        None): stochastic-rounding bits follow the whole tensor's index."""
+
+    def elements(self, a) -> int:
+        """Elements of the whole tensor (the stochastic-rounding bound)."""
+
+    def operand(self, values, scales, amax, *, along_tokens: bool, spec):
+        """One quantized side as the product's GEMMs take it."""
 
 
 def quantize_tokens(
-    a2,
+    a,
     recipe: Recipe,
+    layout: TokenLayout,
     *,
-    rows,
-    cols,
-    rounding="nearest",
+    rows: bool,
+    cols: bool,
+    stochastic: bool = False,
     words=None,
-    axis_name=None,
-    decoded_cols=False,
+    decoded: bool = False,
+    decoded_cols: bool = False,
 ):
-    """a [T, F] (x or dY): row-wise along F (1x16) if ``rows``; column-wise
-    along T if ``cols`` (the recipe's RHT, stream 1), T zero-padded to a
-    multiple of 16; one fused pass when both. With both, the rows (and the
-    columns if ``decoded_cols``) come as ``DecodedOperand``s where
-    ``write_gemm_operands``."""
-    impl = recipe.implementation
-    place = token_sharding(a2, axis_name)
-    row_amax, col_amax = shard_amaxes(a2, recipe.rht and cols, axis_name, impl)
-    padded = pad_tokens(a2, a2.shape[0])
-    # The amaxes are maxima over the finite |values|, reduced over the
-    # shards: never invalid, so quantize need not check them.
-    common = dict(words=words, implementation=impl, place=place, amax_trusted=True)
+    """a [T, F] (x or dY) laid out by ``layout``: (along F, 1x16, stream 0;
+    along the tokens, the recipe's RHT, stream 1), None where not asked; one
+    fused pass when both. ``words``: the product's stochastic-rounding words
+    where ``stochastic``. ``decoded``: the dispatcher asks for decoded GEMM
+    operands; then the fused pass writes the rows (and the columns if
+    ``decoded_cols``) as bfloat16 values where its kernel serves the
+    options (``ops.fused_writes_values``)."""
+    impl = implementation_ops(recipe.implementation)
+    items = layout.items(a)
+    amax = layout.amaxes(a, items, impl, rht=cols and recipe.rht)
+    row_spec = ops.QuantizeSpec(stochastic=stochastic, stream=0)
+    col_spec = ops.QuantizeSpec(stochastic=stochastic, rht=recipe.rht, stream=1)
+    words = shard_words(words, stochastic, layout.elements(a))
+    origin, place = layout.placement(a)
+    along_f = along_t = None
     if rows and cols:
-        operands = write_gemm_operands(recipe, a2)
-        return quantize_shard_rows_cols(
-            padded,
-            row_rounding=rounding,
-            col_rounding=rounding,
-            col_rht=recipe.rht,
-            row_amax=row_amax,
-            col_amax=col_amax,
-            row_decoded=operands,
-            col_decoded=operands and decoded_cols,
-            **common,
+        if (
+            decoded
+            and recipe.implementation == "ffi"
+            and ops.fused_writes_values(a.dtype, row_spec, col_spec)
+        ):
+            row_spec = dataclasses.replace(row_spec, decoded=True)
+            col_spec = dataclasses.replace(col_spec, decoded=decoded_cols)
+        rv, rs, cv, cs = impl.quantize_rows_cols(
+            items,
+            amax.rows,
+            amax.cols,
+            words,
+            origin,
+            rows=row_spec,
+            cols=col_spec,
+            place=place,
         )
-    along_f = (
-        quantize_shard(a2, -1, rounding=rounding, amax=row_amax, **common)
-        if rows
-        else None
-    )
-    along_t = (
-        quantize_shard(
-            padded,
-            0,
-            rht=recipe.rht,
-            rounding=rounding,
-            amax=col_amax,
-            stream=1,
-            **common,
+        along_f, along_t = (rv, rs), (cv, cs)
+    elif rows:
+        along_f = impl.quantize_rows(
+            items, amax.rows, words, origin, rows=row_spec, place=place
         )
-        if cols
-        else None
-    )
+    elif cols:
+        along_t = impl.quantize_cols(
+            items, amax.cols, words, origin, cols=col_spec, place=place
+        )
+    if along_f is not None:
+        along_f = layout.operand(
+            *along_f, amax.rows_kept, along_tokens=False, spec=row_spec
+        )
+    if along_t is not None:
+        along_t = layout.operand(
+            *along_t, amax.cols_kept, along_tokens=True, spec=col_spec
+        )
     return along_f, along_t
 
 
-def quantize_w(w, recipe: Recipe, nk: bool):
-    """w [K, N] (or, ``nk``, [N, K]): (along K for FPROP, along N for DGRAD),
-    the same values if 2D. Either orientation is read as stored: along its
-    last axis row-wise, along its first column-wise; the stored results are
-    the same bytes for w and w.T."""
-    block = "16x16" if recipe.weight_2d else "1x16"
-    impl = recipe.implementation
-    k_axis, n_axis = (1, 0) if nk else (0, 1)
-    if recipe.fprop and recipe.dgrad:
-        # (Along K feeds FPROP only, but stays codes: under FSDP-sharded jit
-        # the partitioner gathers it, and codes move 4x fewer bytes than a
-        # bf16 operand.)
-        rows, cols = quantize_rowwise_and_columnwise(
-            w, row_block=block, col_block=block, implementation=impl
+def quantize_weights(w3, recipe: Recipe, *, k_last: bool = False):
+    """w3 [E, K, N] (or [E, N, K] where ``k_last``), one amax per expert (a
+    dense weight is one expert): (along K, for FPROP; along N, for DGRAD),
+    each (values, scales, amax [E]) as the quantize primitives write them
+    (along the last axis row-wise, along the middle one column-wise,
+    stored transposed), None where the recipe keeps that GEMM out of NVFP4.
+    With 16x16 tiles both carry the same values."""
+    impl = implementation_ops(recipe.implementation)
+    if w3.shape[0] == 1:
+        amax = impl.abs_max(w3[0]).reshape(1)
+    else:
+        amax = jax.vmap(impl.abs_max)(w3)
+    spec = ops.QuantizeSpec(block_rows=16 if recipe.weight_2d else 1)
+    no_key = jnp.zeros((1, 2), jnp.uint32)
+    want_last = recipe.fprop if k_last else recipe.dgrad
+    want_middle = recipe.dgrad if k_last else recipe.fprop
+    last = middle = None
+    if want_last and want_middle:
+        lv, ls, mv, ms = impl.quantize_rows_cols(
+            w3, amax, amax, no_key, rows=spec, cols=spec
         )
-        return (rows, cols) if nk else (cols, rows)
-    along_k = (
-        quantize(w, k_axis, block=block, implementation=impl) if recipe.fprop else None
-    )
-    along_n = (
-        quantize(w, n_axis, block=block, implementation=impl) if recipe.dgrad else None
-    )
-    return along_k, along_n
+        last, middle = (lv, ls, amax), (mv, ms, amax)
+    elif want_last:
+        last = (*impl.quantize_rows(w3, amax, no_key, rows=spec), amax)
+    elif want_middle:
+        middle = (*impl.quantize_cols(w3, amax, no_key, cols=spec), amax)
+    return (last, middle) if k_last else (middle, last)
 
 
 def explicit_sharding(a):
