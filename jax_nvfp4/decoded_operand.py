@@ -5,8 +5,8 @@ float32 accumulation computes NVFP4's exact products (docs/DESIGN.md, section
 5). Where the GEMM reads bfloat16 (GPUs without FP4 tensor cores), the
 training recipe's fused quantize writes those values for the operands that
 only feed a GEMM instead of codes the GEMM would decode right after. This is
-that operand's type: internal, made only by
-``quantize.quantize_shard_rows_cols`` when the dispatcher asks for it
+that operand's type: internal, made by the recipe's token step
+(``recipe.steps.quantize_tokens``) when the dispatcher asks for it
 (``ops.dispatch.decoded_operands``) and taken only by
 ``matmul.matmul_gemm_operands``. Public functions take ``NVFP4Tensor``, which
 always holds codes.

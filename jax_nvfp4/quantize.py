@@ -186,7 +186,7 @@ def quantize(
     x = _check_input(x)
     stochastic = _is_stochastic(rounding)
     warn_unused_key(key, stochastic)
-    return quantize_shard(
+    return _quantize(
         x,
         axis,
         block=block,
@@ -199,27 +199,19 @@ def quantize(
     )
 
 
-def quantize_shard(
+def _quantize(
     x: jax.Array,
-    axis: int = -1,
+    axis: int,
     *,
-    block: Block = "1x16",
-    rounding: Rounding = "nearest",
-    rht: bool = False,
-    words: jax.Array | None = None,
-    amax: jax.Array | None = None,
-    stream: int = 0,
-    implementation: Implementation = "ffi",
-    place=None,
-    amax_trusted: bool = False,
+    block: Block,
+    rounding: Rounding,
+    rht: bool,
+    words: jax.Array | None,
+    amax: jax.Array | None,
+    stream: int,
+    implementation: Implementation,
 ) -> NVFP4Tensor:
-    """``quantize`` of x as one token shard of a larger tensor, for the
-    recipe: ``words`` are the stochastic-rounding words of the product's key
-    (``key_words``; the key became words once, at the public call);
-    ``place`` = (first row, all rows) offsets the rows of x's [batch, m, k]
-    view, so stochastic-rounding bits follow the whole tensor's index;
-    ``amax_trusted``: the given amax is a reduction over finite values
-    (never invalid), so it is not checked."""
+    """``quantize`` after its key became stochastic-rounding words."""
     x = _check_input(x)
     axis = _normalize_axis(axis, x.ndim)
     _check_flag(rht, "rht")
@@ -240,7 +232,7 @@ def quantize_shard(
         stream=_check_stream(stream),
     )
     impl = implementation_ops(implementation)
-    words = shard_words(words, spec.stochastic, _global_size(x, place))
+    words = shard_words(words, spec.stochastic, x.size)
     x3, cols = _rank3(x, axis)
     if amax is None:
         if rht:
@@ -249,37 +241,14 @@ def quantize_shard(
             amax = impl.abs_max(x)
         given = GivenAmax(amax, checked=False)
     else:
-        given = given_amax(amax, x, trusted=amax_trusted)
-    origin, placement = _placement(place, x3)
+        given = given_amax(amax, x)
     handler_amax = given.for_handler().reshape(1)
     if cols:
-        codes, scales = impl.quantize_cols(
-            x3, handler_amax, words, origin, cols=spec, place=placement
-        )
+        codes, scales = impl.quantize_cols(x3, handler_amax, words, cols=spec)
     else:
-        codes, scales = impl.quantize_rows(
-            x3, handler_amax, words, origin, rows=spec, place=placement
-        )
+        codes, scales = impl.quantize_rows(x3, handler_amax, words, rows=spec)
     codes, scales, amax = given.mark(codes, scales)
     return wrap_quantized(codes, scales, amax, x.shape, axis, block, rht)
-
-
-def _global_size(x, place) -> int:
-    """Elements of the whole tensor that x is a token shard of."""
-    if place is None:
-        return x.size
-    return x.size // x.shape[0] * place[1]
-
-
-def _placement(place, x3):
-    """(origin, Place) for a quantize of x3 [b, m, k] that is one shard of a
-    larger tensor; ``place`` = (m0, global_m) offsets the rows (the token axis
-    of the training recipe). (None, None) when x3 is the whole."""
-    if place is None:
-        return None, None
-    m0, global_m = place
-    origin = jnp.stack([jnp.int32(0), jnp.asarray(m0, jnp.int32), jnp.int32(0)])
-    return origin, ops.Place(global_m=global_m, global_k=x3.shape[2])
 
 
 def _check_stream(stream: int, name: str = "stream") -> int:
@@ -377,18 +346,18 @@ def quantize_shard_rows_cols(
     row_stream: int = 0,
     col_stream: int = 1,
     implementation: Implementation = "ffi",
-    place=None,
     row_decoded: bool = False,
     col_decoded: bool = False,
     amax_trusted: bool = False,
 ) -> tuple[NVFP4Tensor | DecodedOperand, NVFP4Tensor | DecodedOperand]:
-    """``quantize_rowwise_and_columnwise`` for the recipe: ``words``,
-    ``place`` and ``amax_trusted`` as in ``quantize_shard``; ``row_decoded`` /
-    ``col_decoded`` (where the dispatcher says the GEMM reads bfloat16
-    operands): return that side as a ``DecodedOperand``, its bfloat16 GEMM
-    operand, written by the fused kernel in place of the codes -- for the
-    options that kernel serves (``ops.fused_writes_values``); otherwise both
-    sides come as NVFP4Tensors."""
+    """``quantize_rowwise_and_columnwise`` after its key became
+    stochastic-rounding ``words``, with what tests and benchmarks of the
+    fused kernel ask of it besides: ``amax_trusted`` (a given amax that is a
+    reduction over finite values, so not checked) and ``row_decoded`` /
+    ``col_decoded``: that side as a ``DecodedOperand``, the bfloat16 values
+    the fused kernel writes in place of codes for the options it serves
+    (``ops.fused_writes_values``), as the recipe's token step asks for them
+    (``recipe.steps.quantize_tokens``)."""
     x = _check_input(x)
     if x.ndim < 2:
         raise ValueError(
@@ -411,9 +380,7 @@ def quantize_shard_rows_cols(
         stream=_check_stream(col_stream, "col_stream"),
     )
     impl = implementation_ops(implementation)
-    words = shard_words(
-        words, row_spec.stochastic or col_spec.stochastic, _global_size(x, place)
-    )
+    words = shard_words(words, row_spec.stochastic or col_spec.stochastic, x.size)
     x3 = x.reshape(math.prod(x.shape[:-2]), x.shape[-2], x.shape[-1])
 
     plain = None
@@ -440,16 +407,13 @@ def quantize_shard_rows_cols(
     ):
         row_spec = dataclasses.replace(row_spec, decoded=row_decoded)
         col_spec = dataclasses.replace(col_spec, decoded=col_decoded)
-    origin, placement = _placement(place, x3)
     row_codes, row_scales, col_codes, col_scales = impl.quantize_rows_cols(
         x3,
         row_given.for_handler().reshape(1),
         col_given.for_handler().reshape(1),
         words,
-        origin,
         rows=row_spec,
         cols=col_spec,
-        place=placement,
     )
     sides = []
     for given, codes, scales, axis, block, rht, spec in (

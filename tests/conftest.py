@@ -115,9 +115,10 @@ def run_on_virtual_cpus(script, devices: int) -> dict:
 
 
 def rows_cols(x, key=None, **options):
-    """The recipe's fused quantize (``quantize_shard_rows_cols``: decoded
-    operands may be asked for), the key turned into words as the public call
-    turns it."""
+    """The fused quantize after the key became words
+    (``quantize_shard_rows_cols``), whose decoded sides are what the
+    recipe's token step asks for; the key turned into words as the public
+    call turns it."""
     from jax_nvfp4.keys import key_words
     from jax_nvfp4.quantize import quantize_shard_rows_cols
 

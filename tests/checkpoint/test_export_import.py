@@ -20,7 +20,7 @@ import jax_nvfp4
 from jax_nvfp4 import NVFP4, Recipe, checkpoint
 from jax_nvfp4.checkpoint import CheckpointError, export_nvfp4, import_nvfp4
 from jax_nvfp4.policy import transformer_policy
-from jax_nvfp4.recipe.steps import quantize_w
+from jax_nvfp4.recipe.steps import quantize_weights
 
 UP = "model.layers.0.mlp.up_proj"
 DOWN = "model.layers.0.mlp.down_proj"
@@ -213,14 +213,19 @@ def test_fp4_bytes_are_training_fprop(tmp_path, dtype, recipe):
     export_nvfp4({UP: w_nk}, tmp_path, nvfp4={UP}, input_amax=AMAX, recipe=recipe)
     tensors, _, _ = read_st(tmp_path / "model.safetensors")
     # FPROP's weight, in the PyTorch orientation and in Flax's [K, N].
-    fprop_nk = quantize_w(w_nk, recipe, nk=True)[0]
-    fprop_kn = quantize_w(w_nk.T, recipe, nk=False)[0]
+    # (codes, scales, amax [1]) of one expert, stored [1, N, K/2] both ways.
+    fprop_nk = quantize_weights(w_nk[None], recipe, k_last=True)[0]
+    fprop_kn = quantize_weights(w_nk.T[None], recipe, k_last=False)[0]
     block = "16x16" if recipe.weight_2d else "1x16"
     plain = jax_nvfp4.quantize(w_nk.T, 0, block=block)
-    for t in (fprop_nk, fprop_kn, plain):
-        assert tensors[UP + ".weight"].tobytes() == np.asarray(t.codes).tobytes()
-        assert tensors[UP + ".weight_scale"].tobytes() == np.asarray(t.scales).tobytes()
-        amax = np.float32(t.amax)
+    for codes, scales, amax in (
+        fprop_nk,
+        fprop_kn,
+        (plain.codes, plain.scales, plain.amax),
+    ):
+        assert tensors[UP + ".weight"].tobytes() == np.asarray(codes).tobytes()
+        assert tensors[UP + ".weight_scale"].tobytes() == np.asarray(scales).tobytes()
+        amax = np.float32(np.asarray(amax).reshape(()))
         assert tensors[UP + ".weight_scale_2"] == amax / np.float32(2688)
 
 
