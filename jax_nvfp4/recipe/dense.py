@@ -62,16 +62,15 @@ class _Tokens:
     def items(self, a):
         return pad_tokens(a, a.shape[0])[None]
 
-    def amaxes(self, a, items, impl, rht):
-        if rht:  # one read: (plain, token-axis RHT)
-            both = impl.amax(items, cols=True)[0]
-        else:
-            both = jnp.broadcast_to(impl.abs_max(a), (2,))
+    def item_abs_max(self, a, items, impl):
+        return impl.abs_max(a).reshape(1)
+
+    def reduce(self, plain, transformed):
+        both = jnp.concatenate([plain, transformed])
         names = axis_names(self.axis_name)
-        if names:
+        if names:  # one collective for both
             both = jax.lax.pmax(both, names)
-        plain, transformed = both[0].reshape(1), both[1].reshape(1)
-        return TokenAmaxes(plain, transformed, plain[0], transformed[0])
+        return TokenAmaxes(both[:1], both[1:], both[0], both[1])
 
     def placement(self, a):
         place = token_sharding(a, self.axis_name)

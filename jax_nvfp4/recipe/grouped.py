@@ -131,22 +131,15 @@ class _Tokens:
     def items(self, a):
         return _to_buffer(a, self.groups).reshape(-1, BLOCK_SIZE, a.shape[1])
 
-    def amaxes(self, a, items, impl, rht):
-        groups, count = self.groups, self.groups.sizes.shape[0]
-        if rht:  # one read: (plain, token-axis RHT) per 16-token block
-            both = impl.amax(items, cols=True)
-            plain, transformed = both[:, 0], both[:, 1]
-        else:
-            plain = jax.vmap(reference.abs_max)(items.reshape(items.shape[0], -1))
-        plain = _group_max(plain, groups.item_group, count)
-        transformed = (
-            _group_max(transformed, groups.item_group, count) if rht else plain
-        )
+    def item_abs_max(self, a, items, impl):
+        return jax.vmap(reference.abs_max)(items.reshape(items.shape[0], -1))
+
+    def reduce(self, plain, transformed):
+        ids, count = self.groups.item_group, self.groups.sizes.shape[0]
+        plain = _group_max(plain, ids, count)
+        transformed = _group_max(transformed, ids, count)
         return TokenAmaxes(
-            _per_item(plain, groups.item_group),
-            _per_item(transformed, groups.item_group),
-            plain,
-            transformed,
+            _per_item(plain, ids), _per_item(transformed, ids), plain, transformed
         )
 
     def placement(self, a):

@@ -77,8 +77,12 @@ class TokenLayout(Protocol):
     def items(self, a: jax.Array) -> jax.Array:
         """a as [items, rows, F]; rows a multiple of 16 (zero-padded)."""
 
-    def amaxes(self, a, items, impl, rht: bool) -> TokenAmaxes:
-        """The amaxes (``rht``: the column-wise quantization transforms)."""
+    def item_abs_max(self, a, items, impl) -> jax.Array:
+        """max |a| over each item's finite values, [items]."""
+
+    def reduce(self, plain, transformed) -> TokenAmaxes:
+        """The amaxes from each item's, [items] each: over what shares one
+        amax (the whole tensor, across shards; a group's items)."""
 
     def placement(self, a):
         """(origin, ops.Place) of a shard of a larger tensor, or (None,
@@ -112,7 +116,12 @@ def quantize_tokens(
     options (``ops.fused_writes_values``)."""
     impl = implementation_ops(recipe.implementation)
     items = layout.items(a)
-    amax = layout.amaxes(a, items, impl, rht=cols and recipe.rht)
+    if cols and recipe.rht:  # one read: (plain, token-axis RHT) per item
+        both = impl.amax(items, cols=True)
+        plain, transformed = both[:, 0], both[:, 1]
+    else:
+        plain = transformed = layout.item_abs_max(a, items, impl)
+    amax = layout.reduce(plain, transformed)
     row_spec = ops.QuantizeSpec(stochastic=stochastic, stream=0)
     col_spec = ops.QuantizeSpec(stochastic=stochastic, rht=recipe.rht, stream=1)
     words = shard_words(words, stochastic, layout.elements(a))
