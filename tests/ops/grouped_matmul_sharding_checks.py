@@ -151,6 +151,23 @@ def main():
     text = jax.jit(step).lower(*placed).compile().as_text()
     out["data_parallel"] = equal(one, sharded) and not gathers(text)
 
+    # A 2 x 2 mesh: the tokens over one axis or both, with the experts' K
+    # (and x's features) over the other; still no all-gather.
+    grid = jax.make_mesh((2, 2), ("d", "m"), axis_types=auto * 2)
+    ok = True
+    for xs, ws, dys in [
+        (P(("d", "m"), None), P(), P(("d", "m"), None)),
+        (P("d", None), P(None, "m", None), P("d", None)),
+        (P("d", "m"), P(None, "m", None), P("d", None)),
+    ]:
+        placed = tuple(
+            jax.device_put(a, NamedSharding(grid, spec))
+            for a, spec in ((x, xs), (w, ws), (dy, dys))
+        ) + (sizes, KEY)
+        text = jax.jit(step).lower(*placed).compile().as_text()
+        ok = ok and equal(one, jax.jit(step)(*placed)) and not gathers(text)
+    out["two_axis_mesh"] = ok
+
     # The same on Explicit axes (jax.make_mesh's default), inside
     # jax.set_mesh and with only the operands' types naming the mesh; the
     # results keep the rows' sharding as lax.ragged_dot's do.

@@ -37,6 +37,8 @@ def test_partitioned_primitive_equals_one_device(results, check):
     assert results[check], check
 
 
-@pytest.mark.parametrize("check", ["data_parallel", "explicit_axes", "expert_parallel"])
+@pytest.mark.parametrize(
+    "check", ["data_parallel", "two_axis_mesh", "explicit_axes", "expert_parallel"]
+)
 def test_sharded_ragged_dot_equals_one_device(results, check):
     assert results[check], check
