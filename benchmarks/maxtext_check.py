@@ -67,7 +67,8 @@ import statistics
 import sys
 import time
 import traceback
-import types
+
+from common import stub_xprof
 
 # What MaxText's model code imports beyond jax/flax/optax/orbax (the
 # distribution names, for the error message).
@@ -100,26 +101,6 @@ _HEADER = (
 )
 
 
-def _stub_xprof() -> bool:
-    """Empty stand-ins for the xprof modules tokamax imports, if missing."""
-    try:
-        importlib.import_module("xprof.cli.tools")
-        return False
-    except ImportError:
-        pass
-    names = (
-        "xprof",
-        "xprof.cli",
-        "xprof.cli.tools",
-        "xprof.cli.tools.get_kernel_stats_tool",
-    )
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    for parent, child in zip(names[:-1], names[1:], strict=True):
-        setattr(sys.modules[parent], child.rsplit(".", 1)[1], sys.modules[child])
-    return True
-
-
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -136,7 +117,7 @@ def _preflight(summary: dict) -> None:
         raise RuntimeError(
             f"MaxText 0.2.5 needs Python >= 3.12; this is {platform.python_version()}"
         )
-    if _stub_xprof():
+    if stub_xprof():
         summary["stubbed"].append(
             "xprof, xprof.cli, xprof.cli.tools, xprof.cli.tools.get_kernel_stats_tool"
             " (tokamax's benchmarking module imports them; unused here)"

@@ -13,6 +13,11 @@ up(r)) over the sorted rows r and its vjp with a random cotangent. Rows:
                        grouped GEMM by the CUDA handler
   nvfp4, XLA grouped   the same with JAX_NVFP4_GROUPED_GEMM=0: XLA's
                        ragged_dot_general on the decoded operands
+  bf16 tokamax mosaic  the bf16 step by tokamax's ragged_dot (Google's
+  bf16 tokamax triton  Pallas kernels, what MaxText's MoE layer calls), with
+                       implementation="mosaic" (Mosaic GPU, Hopper) and
+                       "triton" (needs jax-triton); a row whose kernel does
+                       not import or compile says why and is left out
   bf16 dense batched   the same FLOPs as a dense batched GEMM (every expert
                        with the mean row count, jnp.einsum): how fast the
                        bf16 ragged_dot is, so that a slow baseline cannot
@@ -24,7 +29,9 @@ useful FLOPs (2 x rows x d x ffn per GEMM, 9 GEMMs).
 
 --kernels also times each grouped GEMM form of the first projection alone
 (the handler's rows form, x [rows, d] by w [G, ffn, d]; its tokens form, the
-WGRAD of the same) against XLA's dense batched GEMM of the same FLOPs.
+WGRAD of the same; tokamax's Mosaic forward where it imports) against XLA's
+dense batched GEMM of the same FLOPs. The last line compares the NVFP4 step
+with the fastest bf16 grouped step of the run.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from common import argument_parser, header, write_json
+from common import argument_parser, header, stub_xprof, write_json
 
 import jax_nvfp4 as nv
 from jax_nvfp4.backends import bf16_grouped_gemm
@@ -61,6 +68,18 @@ def swiglu(product):
     return step
 
 
+def tokamax_ragged_dot():
+    """tokamax's ``ragged_dot``, or the reason it does not import (it needs
+    jax >= 0.11.1; its top-level import reaches xprof, for its own
+    benchmarking helpers only, which is stubbed where missing)."""
+    stub_xprof()
+    try:
+        import tokamax
+    except Exception as e:  # noqa: BLE001 - any failure: report it, go on
+        return None, f"{type(e).__name__}: {e}"
+    return tokamax.ragged_dot, None
+
+
 def kernel_operands(rows, wg, sizes):
     """Decoded-operand stand-ins of the first projection's GEMMs: bf16 rows
     [R, d] (R = rows + 15 G, groups padded to 16), w [G, ffn, d]; the WGRAD
@@ -76,9 +95,10 @@ def kernel_operands(rows, wg, sizes):
     return a, b, padded, jnp.ones(count, jnp.float32), ta, tb
 
 
-def kernel_steps(rows, wg, sizes, dense_product):
-    """The grouped GEMM forms alone (jitted) and a dense batched GEMM of the
-    same FLOPs."""
+def kernel_steps(rows, wg, sizes, dense_product, tokamax_dot=None):
+    """The grouped GEMM forms alone (jitted), tokamax's forward ragged_dot
+    (its rows form) where it imports, and a dense batched GEMM of the same
+    FLOPs."""
 
     def rows_form(a, b, s, alpha, ta, tb):
         return bf16_grouped_gemm.rows(a, b, s, alpha, jnp.bfloat16, handler=True)
@@ -89,11 +109,18 @@ def kernel_steps(rows, wg, sizes, dense_product):
     def dense_form(a, b, s, alpha, ta, tb):
         return dense_product(a[: rows.shape[0]], jnp.swapaxes(b, 1, 2), None)
 
-    return {
+    steps = {
         "rows form (handler)": jax.jit(rows_form),
         "tokens form (handler)": jax.jit(tokens_form),
         "dense form (XLA)": jax.jit(dense_form),
     }
+    if tokamax_dot is not None:
+
+        def tokamax_rows(a, b, s, alpha, ta, tb):
+            return tokamax_dot(rows, wg, sizes, implementation="mosaic")
+
+        steps["rows form (tokamax mosaic)"] = jax.jit(tokamax_rows)
+    return steps
 
 
 def main(argv=None):
@@ -143,16 +170,32 @@ def main(argv=None):
         "bf16 ragged_dot": jax.jit(swiglu(bf16_product)),
         "nvfp4 ragged_dot": jax.jit(swiglu(nvfp4_product)),
         "nvfp4, XLA grouped": jax.jit(swiglu(nvfp4_product)),
-        "bf16 dense batched": jax.jit(swiglu(dense_product)),
     }
+    tokamax_dot, why = tokamax_ragged_dot()
+    if tokamax_dot is None:
+        print(f"tokamax rows left out: {why}")
+    else:
+        for impl in ("mosaic", "triton"):
+
+            def tokamax_product(x, w, _, impl=impl):
+                return tokamax_dot(x, w, sizes, implementation=impl)
+
+            steps[f"bf16 tokamax {impl}"] = jax.jit(swiglu(tokamax_product))
+    steps["bf16 dense batched"] = jax.jit(swiglu(dense_product))
     if not bf16_grouped_gemm.handler_supported():
         del steps["nvfp4, XLA grouped"]  # the same as "nvfp4 ragged_dot"
-    for name, fn in steps.items():
+    for name, fn in list(steps.items()):
         with nv.config.override(grouped_gemm=name != "nvfp4, XLA grouped"):
-            steps[name] = fn.lower(*operands).compile()
+            try:
+                steps[name] = fn.lower(*operands).compile()
+            except Exception as e:  # noqa: BLE001 - a baseline that cannot run
+                if "tokamax" not in name:
+                    raise
+                print(f"{name} left out: {type(e).__name__}: {str(e)[:300]}")
+                del steps[name]
     operands_of = {}
     if args.kernels:
-        steps.update(kernel_steps(rows, wg, sizes, dense_product))
+        steps.update(kernel_steps(rows, wg, sizes, dense_product, tokamax_dot))
         kernel_args = kernel_operands(rows, wg, sizes)
         operands_of = {n: kernel_args for n in steps if "form" in n}
     times = {name: [] for name in steps}
@@ -177,6 +220,15 @@ def main(argv=None):
             f"{name:24s} {ms:9.2f} {statistics.median(ratios):9.3f}x "
             f"({min(ratios):.3f}..{max(ratios):.3f}) {flops / ms / 1e9:8.0f}"
         )
+    grouped = [n for n in times if n.startswith("bf16") and "dense" not in n]
+    fastest = min(grouped, key=lambda n: statistics.median(times[n]))
+    ratios = [
+        t / f for t, f in zip(times["nvfp4 ragged_dot"], times[fastest], strict=True)
+    ]
+    print(
+        f"nvfp4 ragged_dot vs the fastest bf16 grouped step ({fastest}): "
+        f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}..{max(ratios):.3f})"
+    )
     if args.out:
         write_json(args.out, {"args": vars(args), "ms": times})
 
