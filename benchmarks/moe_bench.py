@@ -188,10 +188,10 @@ def main(argv=None):
         with nv.config.override(grouped_gemm=name != "nvfp4, XLA grouped"):
             try:
                 steps[name] = fn.lower(*operands).compile()
-            except Exception as e:  # noqa: BLE001 - a baseline that cannot run
+            except Exception as err:  # noqa: BLE001 - a baseline that cannot run
                 if "tokamax" not in name:
                     raise
-                print(f"{name} left out: {type(e).__name__}: {str(e)[:300]}")
+                print(f"{name} left out: {type(err).__name__}: {str(err)[:300]}")
                 del steps[name]
     operands_of = {}
     if args.kernels:
