@@ -1,0 +1,137 @@
+// The grouped GEMM's rows form on the Hopper engine (sm_90a): out[r, n] =
+// alpha[g] * sum_k a[r, k] b[g, n, k] for the token-buffer rows r of each
+// group g, bf16 operands, float32 sums and output.
+//
+// One CTA per SM (persistent), three warpgroups: the producer's first thread
+// streams A and B tiles by TMA into a STAGES-deep ring of shared memory
+// (full/empty mbarriers); two consumer warpgroups each own 64 of the tile's
+// 128 rows and run wgmma m64n256k16 with their 128 accumulators in
+// registers, then store the group's rows times its alpha. Tiles come from
+// grouped_tiles.h, built by each CTA from the group sizes it reads on the
+// device (no host sync). Shapes: N a multiple of 256, K of 64; at most
+// kMaxGroups groups.
+//
+// A standalone prototype: tools/engine_check.cu runs it against a reference
+// kernel; it is not yet a handler of the extension.
+#ifndef JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_ROWS_CUH_
+#define JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_ROWS_CUH_
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "gemm/engine/grouped_tiles.h"
+#include "gemm/engine/sm90.cuh"
+#include "gemm/engine/wgmma.cuh"
+
+namespace jax_nvfp4 {
+namespace engine {
+
+struct GroupedRowsShape {
+  static constexpr int kBlockRows = 128, kBlockCols = 256, kBlockK = 64;
+  static constexpr int kStages = 4, kMaxGroups = 64, kThreads = 384;
+  static constexpr int kStageA = kBlockRows * kBlockK * 2;
+  static constexpr int kStageB = kBlockCols * kBlockK * 2;
+  // The ring, its barriers, and room to align the ring to 1024 bytes (the
+  // 128-byte swizzle's atom).
+  static constexpr int kSharedBytes =
+      kStages * (kStageA + kStageB) + 2 * kStages * 8 + 1024;
+};
+
+// a: map of the token buffer [rows, K]; b: map of the weights [G * N, K]
+// (both bf16, K-major, boxes of kBlockK x kBlockRows / kBlockCols, 128-byte
+// swizzle).
+__global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
+    GroupedRowsKernel(const __grid_constant__ CUtensorMap a,
+                      const __grid_constant__ CUtensorMap b,
+                      const int* group_sizes, const float* alpha, float* out,
+                      int groups, int n, int k) {
+  using S = GroupedRowsShape;
+  extern __shared__ __align__(1024) uint8_t shared_raw[];
+  uint8_t* ring = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* ring_a = ring;
+  uint8_t* ring_b = ring + S::kStages * S::kStageA;
+  uint64_t* full =
+      reinterpret_cast<uint64_t*>(ring_b + S::kStages * S::kStageB);
+  uint64_t* empty = full + S::kStages;
+  __shared__ int sizes[S::kMaxGroups], start[S::kMaxGroups],
+      tile_end[S::kMaxGroups], total;
+  const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
+  const int col_tiles = n / S::kBlockCols, k_steps = k / S::kBlockK;
+  if (threadIdx.x == 0) {
+    for (int g = 0; g < groups; ++g) sizes[g] = group_sizes[g];
+    total = RowsTiles(sizes, groups, S::kBlockRows, col_tiles, start, tile_end);
+    for (int s = 0; s < S::kStages; ++s) {
+      BarrierInit(&full[s], 1);
+      BarrierInit(&empty[s], 2);  // one arrival per consumer warpgroup
+    }
+    BarrierInitFence();
+  }
+  __syncthreads();
+  // Both roles walk the same tiles and count the same ring slots.
+  if (warpgroup == 0) {
+    if (thread != 0) return;
+    int slot = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      const RowsTile tile = RowsTileAt(t, sizes, start, tile_end, groups,
+                                       S::kBlockRows, S::kBlockCols, col_tiles);
+      for (int i = 0; i < k_steps; ++i, ++slot) {
+        const int s = slot % S::kStages;
+        BarrierWait(&empty[s], ((slot / S::kStages) & 1) ^ 1);
+        BarrierExpectBytes(&full[s], S::kStageA + S::kStageB);
+        TmaLoad2d(ring_a + s * S::kStageA, &a, &full[s], i * S::kBlockK,
+                  tile.row);
+        TmaLoad2d(ring_b + s * S::kStageB, &b, &full[s], i * S::kBlockK,
+                  tile.group * n + tile.col);
+      }
+    }
+    return;
+  }
+  const int half = warpgroup - 1, warp = thread / 32, lane = thread % 32;
+  int slot = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const RowsTile tile = RowsTileAt(t, sizes, start, tile_end, groups,
+                                     S::kBlockRows, S::kBlockCols, col_tiles);
+    float acc[S::kBlockCols / 2];
+#pragma unroll
+    for (int i = 0; i < S::kBlockCols / 2; ++i) acc[i] = 0.f;
+    for (int i = 0; i < k_steps; ++i, ++slot) {
+      const int s = slot % S::kStages;
+      BarrierWait(&full[s], (slot / S::kStages) & 1);
+      WgmmaFence();
+      const uint8_t* tile_a = ring_a + s * S::kStageA + half * 64 * 128;
+      const uint8_t* tile_b = ring_b + s * S::kStageB;
+#pragma unroll
+      for (int step = 0; step < S::kBlockK / 16; ++step) {
+        WgmmaM64N256K16(acc, SwizzledOperand(tile_a + step * 32),
+                        SwizzledOperand(tile_b + step * 32), 1);
+      }
+      WgmmaCommit();
+      WgmmaWaitAll();
+      if (thread == 0) BarrierArrive(&empty[s]);
+    }
+    // Accumulator i of this thread: row warp * 16 + lane / 4 (+ 8 for the
+    // odd pairs), column (i / 4) * 8 + (lane % 4) * 2 + i % 2.
+    const float scale = alpha[tile.group];
+    const int first = half * 64 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int j = 0; j < S::kBlockCols / 8; ++j) {
+      const int col = tile.col + j * 8 + (lane % 4) * 2;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = first + h * 8;
+        if (row < tile.rows) {  // only the group's rows are stored
+          *reinterpret_cast<float2*>(out + size_t(tile.row + row) * n + col) =
+              make_float2(scale * acc[j * 4 + h * 2],
+                          scale * acc[j * 4 + h * 2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace engine
+}  // namespace jax_nvfp4
+
+#endif  // JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_ROWS_CUH_

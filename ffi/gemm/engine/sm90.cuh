@@ -1,0 +1,87 @@
+// The Hopper (sm_90a) instructions the GEMM engine is built on, one thin
+// wrapper each: mbarriers (the pipeline's full and empty slots), the bulk
+// tensor copy (TMA) into shared memory completing on an mbarrier, and the
+// shared-memory descriptor wgmma reads its operands through.
+#ifndef JAX_NVFP4_FFI_GEMM_ENGINE_SM90_CUH_
+#define JAX_NVFP4_FFI_GEMM_ENGINE_SM90_CUH_
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace jax_nvfp4 {
+namespace engine {
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void BarrierInit(uint64_t* bar, int arrivals) {
+  asm volatile(
+      "mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddress(bar)),
+      "r"(arrivals));
+}
+
+// Makes the initialised barriers visible to the copy engine.
+__device__ __forceinline__ void BarrierInitFence() {
+  asm volatile("fence.mbarrier_init.release.cluster;");
+}
+
+// One arrival that also expects `bytes` from the copy engine.
+__device__ __forceinline__ void BarrierExpectBytes(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   SmemAddress(bar)),
+               "r"(bytes));
+}
+
+__device__ __forceinline__ void BarrierArrive(uint64_t* bar) {
+  asm volatile(
+      "mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddress(bar)));
+}
+
+// Waits until the barrier's phase of the given parity has completed (a
+// fresh barrier counts its phase of parity 1 as completed).
+__device__ __forceinline__ void BarrierWait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(SmemAddress(bar)),
+      "r"(parity));
+}
+
+// The box of `map` at (inner, outer) into shared memory; its bytes complete
+// on `bar`. Rows past the tensor's end arrive as zeros.
+__device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map,
+                                          uint64_t* bar, int inner, int outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::"
+      "bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(SmemAddress(dst)),
+      "l"(map), "r"(SmemAddress(bar)), "r"(inner), "r"(outer)
+      : "memory");
+}
+
+// The descriptor of a K-major bf16 operand tile whose rows are 64 elements
+// (128 bytes) written by TMA with 128-byte swizzling: 8-row atoms 1024 bytes
+// apart. One k16 step further along K is 32 bytes further.
+__device__ __forceinline__ uint64_t SwizzledOperand(const void* tile) {
+  uint64_t d = (uint64_t{SmemAddress(tile)} & 0x3FFFF) >> 4;
+  d |= uint64_t{1} << 16;          // leading byte offset: unused, swizzled
+  d |= uint64_t{1024 >> 4} << 32;  // stride byte offset: one 8-row atom
+  d |= uint64_t{1} << 62;          // 128-byte swizzle
+  return d;
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaWaitAll() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+}  // namespace engine
+}  // namespace jax_nvfp4
+
+#endif  // JAX_NVFP4_FFI_GEMM_ENGINE_SM90_CUH_
