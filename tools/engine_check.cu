@@ -1,10 +1,13 @@
-// A standalone check of the Hopper GEMM engine's grouped rows form
-// (ffi/gemm/engine/grouped_rows.cuh) on an sm_90a GPU: bit-for-bit equality
-// with a plain reference kernel on integer-valued operands (exact sums),
-// empty and unaligned groups, and the TFLOP/s of moe_bench's projections.
+// A standalone check of the Hopper GEMM engine's grouped forms
+// (ffi/gemm/engine/grouped_rows.cuh, grouped_tokens.cuh) on an sm_90a GPU:
+// bit-for-bit equality with plain reference kernels on integer-valued
+// operands and power-of-two alphas (exact sums), empty and unaligned
+// groups, float32 and bfloat16 outputs, and the TFLOP/s of moe_bench's
+// projections. Exits 1 if any case differs.
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
 //     -o /tmp/engine_check tools/engine_check.cu && /tmp/engine_check
+//   /tmp/engine_check small   # the small cases only (compute-sanitizer)
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -16,6 +19,7 @@
 #include <vector>
 
 #include "gemm/engine/grouped_rows.cuh"
+#include "gemm/engine/grouped_tokens.cuh"
 
 #define CK(x)                                                             \
   do {                                                                    \
@@ -26,164 +30,311 @@
     }                                                                     \
   } while (0)
 
-using jax_nvfp4::engine::GroupedRowsKernel;
+namespace engine = jax_nvfp4::engine;
+using RowsShape = engine::GroupedRowsShape;
+using TokensShape = engine::GroupedTokensShape;
 
 static int failures = 0;  // cases with a differing element
-using Shape = jax_nvfp4::engine::GroupedRowsShape;
-
-__global__ void Reference(const __nv_bfloat16* a, const __nv_bfloat16* b,
-                          const int* row_group, const float* alpha, float* c,
-                          int rows, int n, int k) {
-  int row = blockIdx.y * blockDim.y + threadIdx.y,
-      col = blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= rows || col >= n) return;
-  const int g = row_group[row];
-  if (g < 0) {
-    c[size_t(row) * n + col] = 0.f;
-    return;
-  }
-  float s = 0.f;
-  for (int i = 0; i < k; ++i)
-    s += __bfloat162float(a[size_t(row) * k + i]) *
-         __bfloat162float(b[(size_t(g) * n + col) * k + i]);
-  c[size_t(row) * n + col] = alpha[g] * s;
-}
 
 using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t,
                               void*, const cuuint64_t*, const cuuint64_t*,
                               const cuuint32_t*, const cuuint32_t*,
                               CUtensorMapInterleave, CUtensorMapSwizzle,
                               CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-static CUtensorMap MakeMap(EncodeFn encode, void* base, long rows, long cols,
-                           int box_rows) {
+static EncodeFn encode = nullptr;
+
+// A bf16 tensor map of `rank` dims (innermost first), contiguous.
+static CUtensorMap Map(void* base, std::vector<cuuint64_t> dims,
+                       std::vector<cuuint32_t> box,
+                       CUtensorMapSwizzle swizzle) {
   CUtensorMap map;
-  cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
-  cuuint32_t box[2] = {Shape::kBlockK, cuuint32_t(box_rows)};
-  cuuint32_t elem[2] = {1, 1};
+  std::vector<cuuint64_t> strides;
+  cuuint64_t stride = 2;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) {
+    stride *= dims[i];
+    strides.push_back(stride);
+  }
+  std::vector<cuuint32_t> elem(dims.size(), 1);
   CUresult r = encode(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elem,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(dims.size()), base,
+      dims.data(), strides.data(), box.data(), elem.data(),
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
-    printf("encode failed %d\n", int(r));
+    printf("cuTensorMapEncodeTiled failed: %d\n", int(r));
     exit(1);
   }
   return map;
 }
 
-static void Run(EncodeFn encode, std::vector<int> sizes, int n, int k,
-                bool check, int sms) {
-  const int groups = int(sizes.size());
-  long rows = 0, tokens = 0;
-  for (int s : sizes) {
-    rows += (s + 15) / 16 * 16;
-    tokens += s;
-  }
-  rows = rows > 0 ? rows : 16;
-  std::vector<__nv_bfloat16> ha(size_t(rows) * k), hb(size_t(groups) * n * k);
-  std::vector<int> row_group(rows, -1);
-  {
-    long r = 0;
-    for (int g = 0; g < groups; ++g) {
-      for (int i = 0; i < sizes[g]; ++i) row_group[r + i] = g;
-      r += (sizes[g] + 15) / 16 * 16;
+static __nv_bfloat16* Upload(const std::vector<__nv_bfloat16>& host) {
+  __nv_bfloat16* d;
+  CK(cudaMalloc(&d, host.size() * 2 + 16));
+  CK(cudaMemcpy(d, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+template <typename T>
+static T* UploadOf(const std::vector<T>& host) {
+  T* d;
+  CK(cudaMalloc(&d, host.size() * sizeof(T) + 16));
+  CK(cudaMemcpy(d, host.data(), host.size() * sizeof(T),
+                cudaMemcpyHostToDevice));
+  return d;
+}
+static std::vector<__nv_bfloat16> SmallIntegers(size_t count, int seed) {
+  srand(seed);
+  std::vector<__nv_bfloat16> v(count);
+  for (auto& x : v) x = __float2bfloat16(float(rand() % 9 - 4));
+  return v;
+}
+static std::vector<float> Alphas(int groups) {  // powers of two: exact
+  std::vector<float> a(groups);
+  for (int g = 0; g < groups; ++g) a[g] = 1.0f / float(1 << (g % 4));
+  return a;
+}
+
+static float AsFloat(float x) { return x; }
+static float AsFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+static float Rounded(float x, float) { return x; }
+static float Rounded(float x, __nv_bfloat16) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+// Compares out (Out) with the float32 reference rounded once to Out.
+template <typename Out>
+static size_t Differences(const Out* out, const float* reference, size_t count,
+                          size_t* first) {
+  std::vector<Out> got(count);
+  std::vector<float> want(count);
+  CK(cudaMemcpy(got.data(), out, count * sizeof(Out), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(want.data(), reference, count * 4, cudaMemcpyDeviceToHost));
+  size_t bad = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (AsFloat(got[i]) != Rounded(want[i], Out{})) {
+      if (!bad) *first = i;
+      ++bad;
     }
   }
-  srand(int(rows) + n + k);
-  for (auto& v : ha) v = __float2bfloat16(float(rand() % 9 - 4));
-  for (auto& v : hb) v = __float2bfloat16(float(rand() % 9 - 4));
-  std::vector<float> halpha(groups);
-  for (int g = 0; g < groups; ++g)
-    halpha[g] = 1.0f / float(1 << (g % 4));  // powers of two: exact
-  __nv_bfloat16 *da, *db;
-  float *dc, *dr, *dalpha;
-  int *dsizes, *drg;
-  CK(cudaMalloc(&da, ha.size() * 2));
-  CK(cudaMalloc(&db, hb.size() * 2));
-  CK(cudaMalloc(&dc, size_t(rows) * n * 4));
-  CK(cudaMalloc(&dr, size_t(rows) * n * 4));
-  CK(cudaMalloc(&dalpha, groups * 4));
-  CK(cudaMalloc(&dsizes, groups * 4));
-  CK(cudaMalloc(&drg, rows * 4));
-  CK(cudaMemcpy(da, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(db, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dalpha, halpha.data(), groups * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dsizes, sizes.data(), groups * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(drg, row_group.data(), rows * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemset(dc, 0, size_t(rows) * n * 4));
-  CUtensorMap ma = MakeMap(encode, da, rows, k, Shape::kBlockRows);
-  CUtensorMap mb = MakeMap(encode, db, long(groups) * n, k, Shape::kBlockCols);
-  const int smem = Shape::kSharedBytes;
-  CK(cudaFuncSetAttribute(GroupedRowsKernel,
-                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  GroupedRowsKernel<<<sms, Shape::kThreads, smem>>>(ma, mb, dsizes, dalpha, dc,
-                                                    groups, n, k);
-  CK(cudaGetLastError());
-  CK(cudaDeviceSynchronize());
-  size_t bad = 0, first = 0;
-  if (check) {
-    Reference<<<dim3((n + 15) / 16, (unsigned(rows) + 15) / 16),
-                dim3(16, 16)>>>(da, db, drg, dalpha, dr, int(rows), n, k);
-    CK(cudaDeviceSynchronize());
-    std::vector<float> hc(size_t(rows) * n), hr(size_t(rows) * n);
-    CK(cudaMemcpy(hc.data(), dc, hc.size() * 4, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(hr.data(), dr, hr.size() * 4, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < hc.size(); ++i)
-      if (hc[i] != hr[i]) {
-        if (!bad) first = i;
-        ++bad;
-      }
-    failures += bad > 0;
-  }
+  return bad;
+}
+
+template <typename Launch>
+static float Milliseconds(Launch launch) {
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   const int reps = 10;
   cudaEventRecord(e0);
-  for (int r = 0; r < reps; ++r)
-    GroupedRowsKernel<<<sms, Shape::kThreads, smem>>>(ma, mb, dsizes, dalpha,
-                                                      dc, groups, n, k);
+  for (int r = 0; r < reps; ++r) launch();
   cudaEventRecord(e1);
   CK(cudaEventSynchronize(e1));
   float ms;
   cudaEventElapsedTime(&ms, e0, e1);
-  ms /= reps;
-  printf("groups=%d tokens=%ld rows=%ld N=%d K=%d:", groups, tokens, rows, n,
-         k);
+  return ms / reps;
+}
+
+static void Report(const char* form, size_t bad, size_t first, int width,
+                   bool check, float ms, double flops) {
+  printf("%s:", form);
   if (check) {
     printf(" %zu differ", bad);
-    if (bad) printf(" (first row %zu col %zu)", first / n, first % n);
+    if (bad) printf(" (first row %zu col %zu)", first / width, first % width);
   }
-  printf("; %.3f ms, %.0f TFLOP/s (useful)\n", ms,
-         2.0 * tokens * n * k / ms / 1e9);
-  cudaFree(da);
-  cudaFree(db);
-  cudaFree(dc);
-  cudaFree(dr);
-  cudaFree(dalpha);
-  cudaFree(dsizes);
-  cudaFree(drg);
+  printf("; %.3f ms, %.0f TFLOP/s (useful)\n", ms, flops / ms / 1e9);
+  failures += bad > 0;
+}
+
+// --- rows form -------------------------------------------------------------
+
+__global__ void RowsReference(const __nv_bfloat16* a, const __nv_bfloat16* b,
+                              const int* row_group, const float* alpha,
+                              float* c, int rows, int n, int k) {
+  const int row = blockIdx.y * blockDim.y + threadIdx.y;
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= rows || col >= n) return;
+  const int g = row_group[row];
+  float s = 0.f;
+  if (g >= 0) {
+    for (int i = 0; i < k; ++i) {
+      s += __bfloat162float(a[size_t(row) * k + i]) *
+           __bfloat162float(b[(size_t(g) * n + col) * k + i]);
+    }
+    s *= alpha[g];
+  }
+  c[size_t(row) * n + col] = s;
+}
+
+template <typename Out>
+static void Rows(const std::vector<int>& sizes, int n, int k, bool check,
+                 int sms) {
+  const int groups = int(sizes.size());
+  long rows = 0, tokens = 0;
+  std::vector<int> row_group;
+  for (int g = 0; g < groups; ++g) {
+    const int padded = engine::PaddedSize(sizes[g]);
+    for (int i = 0; i < padded; ++i) row_group.push_back(i < sizes[g] ? g : -1);
+    rows += padded;
+    tokens += sizes[g];
+  }
+  if (rows == 0) {
+    rows = 16;
+    row_group.assign(16, -1);
+  }
+  __nv_bfloat16* a = Upload(SmallIntegers(size_t(rows) * k, int(rows + k)));
+  __nv_bfloat16* b = Upload(SmallIntegers(size_t(groups) * n * k, n + k));
+  float* alpha = UploadOf(Alphas(groups));
+  int* dsizes = UploadOf(sizes);
+  int* drow_group = UploadOf(row_group);
+  Out* out;
+  float* reference;
+  CK(cudaMalloc(&out, size_t(rows) * n * sizeof(Out)));
+  CK(cudaMalloc(&reference, size_t(rows) * n * 4));
+  CK(cudaMemset(out, 0, size_t(rows) * n * sizeof(Out)));
+  const CUtensorMap ma = Map(a, {cuuint64_t(k), cuuint64_t(rows)},
+                             {RowsShape::kBlockK, RowsShape::kBlockRows},
+                             CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap mb = Map(b, {cuuint64_t(k), cuuint64_t(groups) * n},
+                             {RowsShape::kBlockK, RowsShape::kBlockCols},
+                             CU_TENSOR_MAP_SWIZZLE_128B);
+  const auto kernel = engine::GroupedRowsKernel<Out>;
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          RowsShape::kSharedBytes));
+  const auto launch = [&] {
+    kernel<<<sms, RowsShape::kThreads, RowsShape::kSharedBytes>>>(
+        ma, mb, dsizes, alpha, out, groups, n, k);
+  };
+  launch();
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  size_t bad = 0, first = 0;
+  if (check) {
+    RowsReference<<<dim3((n + 15) / 16, unsigned(rows + 15) / 16),
+                    dim3(16, 16)>>>(a, b, drow_group, alpha, reference,
+                                    int(rows), n, k);
+    CK(cudaDeviceSynchronize());
+    bad = Differences(out, reference, size_t(rows) * n, &first);
+  }
+  char form[160];
+  snprintf(form, sizeof(form), "rows   %s groups=%d tokens=%ld N=%d K=%d",
+           sizeof(Out) == 4 ? "f32 " : "bf16", groups, tokens, n, k);
+  Report(form, bad, first, n, check, Milliseconds(launch),
+         2.0 * tokens * n * k);
+  cudaFree(a), cudaFree(b), cudaFree(alpha), cudaFree(dsizes);
+  cudaFree(drow_group), cudaFree(out), cudaFree(reference);
+}
+
+// --- tokens form -----------------------------------------------------------
+
+__global__ void TokensReference(const __nv_bfloat16* a, const __nv_bfloat16* b,
+                                const int* item_begin, const int* item_end,
+                                const float* alpha, float* c, int m, int n) {
+  const int row = blockIdx.y * blockDim.y + threadIdx.y;
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  const int g = blockIdx.z;
+  if (row >= m || col >= n) return;
+  float s = 0.f;
+  for (int item = item_begin[g]; item < item_end[g]; ++item) {
+    for (int t = 0; t < 16; ++t) {
+      s += __bfloat162float(a[(size_t(item) * m + row) * 16 + t]) *
+           __bfloat162float(b[(size_t(item) * n + col) * 16 + t]);
+    }
+  }
+  const bool empty = item_end[g] == item_begin[g];
+  c[(size_t(g) * m + row) * n + col] = empty ? 0.f : alpha[g] * s;
+}
+
+template <typename Out>
+static void Tokens(const std::vector<int>& sizes, int m, int n, bool check,
+                   int sms) {
+  const int groups = int(sizes.size());
+  std::vector<int> begin(groups), end(groups);
+  long items = 0, tokens = 0;
+  for (int g = 0; g < groups; ++g) {
+    begin[g] = int(items);
+    items += engine::PaddedSize(sizes[g]) / engine::kItemRows;
+    end[g] = int(items);
+    tokens += sizes[g];
+  }
+  const long stored = items > 0 ? items : 1;
+  auto ha = SmallIntegers(size_t(stored) * m * 16, int(items + m));
+  auto hb = SmallIntegers(size_t(stored) * n * 16, int(items + n));
+  // The token buffer's padding past each group's tokens holds zeros.
+  for (int g = 0; g < groups; ++g) {
+    for (long t = sizes[g]; t < engine::PaddedSize(sizes[g]); ++t) {
+      const long item = begin[g] + t / 16;
+      for (int r = 0; r < m; ++r) ha[(item * m + r) * 16 + t % 16] = 0.f;
+      for (int r = 0; r < n; ++r) hb[(item * n + r) * 16 + t % 16] = 0.f;
+    }
+  }
+  __nv_bfloat16* a = Upload(ha);
+  __nv_bfloat16* b = Upload(hb);
+  float* alpha = UploadOf(Alphas(groups));
+  int* dsizes = UploadOf(sizes);
+  int* dbegin = UploadOf(begin);
+  int* dend = UploadOf(end);
+  Out* out;
+  float* reference;
+  const size_t count = size_t(groups) * m * n;
+  CK(cudaMalloc(&out, count * sizeof(Out)));
+  CK(cudaMalloc(&reference, count * 4));
+  CK(cudaMemset(out, 0xFF, count * sizeof(Out)));  // every element written
+  const CUtensorMap ma =
+      Map(a, {16, cuuint64_t(m), cuuint64_t(stored)},
+          {16, TokensShape::kBlockM, 1}, CU_TENSOR_MAP_SWIZZLE_32B);
+  const CUtensorMap mb =
+      Map(b, {16, cuuint64_t(n), cuuint64_t(stored)},
+          {16, TokensShape::kBlockN, 1}, CU_TENSOR_MAP_SWIZZLE_32B);
+  const auto kernel = engine::GroupedTokensKernel<Out>;
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          TokensShape::kSharedBytes));
+  const auto launch = [&] {
+    kernel<<<sms, TokensShape::kThreads, TokensShape::kSharedBytes>>>(
+        ma, mb, dsizes, alpha, out, groups, m, n);
+  };
+  launch();
+  CK(cudaGetLastError());
+  CK(cudaDeviceSynchronize());
+  size_t bad = 0, first = 0;
+  if (check) {
+    TokensReference<<<dim3((n + 15) / 16, (m + 15) / 16, groups),
+                      dim3(16, 16)>>>(a, b, dbegin, dend, alpha, reference, m,
+                                      n);
+    CK(cudaDeviceSynchronize());
+    bad = Differences(out, reference, count, &first);
+  }
+  char form[160];
+  snprintf(form, sizeof(form), "tokens %s groups=%d tokens=%ld M=%d N=%d",
+           sizeof(Out) == 4 ? "f32 " : "bf16", groups, tokens, m, n);
+  Report(form, bad, first, n, check, Milliseconds(launch),
+         2.0 * tokens * m * n);
+  cudaFree(a), cudaFree(b), cudaFree(alpha), cudaFree(dsizes);
+  cudaFree(dbegin), cudaFree(dend), cudaFree(out), cudaFree(reference);
 }
 
 int main(int argc, char** argv) {
-  // "small": the small cases only (for compute-sanitizer).
   const bool small = argc > 1 && std::string(argv[1]) == "small";
-  EncodeFn encode = nullptr;
   cudaDriverEntryPointQueryResult q;
   CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled",
                                       reinterpret_cast<void**>(&encode), 12000,
                                       cudaEnableDefault, &q));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  Run(encode, {40, 24, 0, 32, 50, 30, 48, 32}, 256, 128, true, sms);
-  Run(encode, {1, 2, 3, 4, 5, 6, 7, 300}, 512, 256, true, sms);
-  Run(encode, {0, 0, 0}, 256, 64, true, sms);
-  Run(encode, {1000, 0, 2000, 513}, 768, 512, true, sms);
-  if (small) return failures > 0;
-  Run(encode, {10922, 5461, 10922, 5461, 10922, 5461, 10922, 5465}, 8192, 2048,
-      true, sms);  // moe_bench gate/up FPROP
-  Run(encode, {10922, 5461, 10922, 5461, 10922, 5461, 10922, 5465}, 2048, 8192,
-      false, sms);  // down FPROP
+  const std::vector<int> moe = {10922, 5461, 10922, 5461,
+                                10922, 5461, 10922, 5465};  // moe_bench's 2:1
+  Rows<float>({40, 24, 0, 32, 50, 30, 48, 32}, 256, 128, true, sms);
+  Rows<float>({1, 2, 3, 4, 5, 6, 7, 300}, 512, 256, true, sms);
+  Rows<float>({0, 0, 0}, 256, 64, true, sms);
+  Rows<__nv_bfloat16>({1000, 0, 2000, 513}, 768, 512, true, sms);
+  Tokens<float>({40, 24, 0, 32, 50, 30, 48, 32}, 128, 256, true, sms);
+  Tokens<float>({1, 2, 3, 4, 5, 6, 7, 300}, 200, 264, true, sms);
+  Tokens<float>({0, 0, 0}, 128, 256, true, sms);
+  Tokens<__nv_bfloat16>({1000, 0, 2000, 513}, 384, 512, true, sms);
+  if (!small) {
+    // moe_bench's projections: gate/up FPROP, down FPROP, the WGRAD of gate.
+    Rows<float>(moe, 8192, 2048, true, sms);
+    Rows<__nv_bfloat16>(moe, 2048, 8192, false, sms);
+    Tokens<float>(moe, 2048, 8192, true, sms);
+    Tokens<float>(moe, 8192, 2048, false, sms);
+  }
   return failures > 0;
 }

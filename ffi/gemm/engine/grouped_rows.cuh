@@ -1,6 +1,7 @@
 // The grouped GEMM's rows form on the Hopper engine (sm_90a): out[r, n] =
 // alpha[g] * sum_k a[r, k] b[g, n, k] for the token-buffer rows r of each
-// group g, bf16 operands, float32 sums and output.
+// group g, bf16 operands, float32 sums, alpha and one rounding to the output
+// type.
 //
 // One CTA per SM (persistent), three warpgroups: the producer's first thread
 // streams A and B tiles by TMA into a STAGES-deep ring of shared memory
@@ -41,10 +42,11 @@ struct GroupedRowsShape {
 // a: map of the token buffer [rows, K]; b: map of the weights [G * N, K]
 // (both bf16, K-major, boxes of kBlockK x kBlockRows / kBlockCols, 128-byte
 // swizzle).
+template <typename Out>
 __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
     GroupedRowsKernel(const __grid_constant__ CUtensorMap a,
                       const __grid_constant__ CUtensorMap b,
-                      const int* group_sizes, const float* alpha, float* out,
+                      const int* group_sizes, const float* alpha, Out* out,
                       int groups, int n, int k) {
   using S = GroupedRowsShape;
   extern __shared__ __align__(1024) uint8_t shared_raw[];
@@ -122,9 +124,8 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
       for (int h = 0; h < 2; ++h) {
         const int row = first + h * 8;
         if (row < tile.rows) {  // only the group's rows are stored
-          *reinterpret_cast<float2*>(out + size_t(tile.row + row) * n + col) =
-              make_float2(scale * acc[j * 4 + h * 2],
-                          scale * acc[j * 4 + h * 2 + 1]);
+          StorePair(out + size_t(tile.row + row) * n + col,
+                    scale * acc[j * 4 + h * 2], scale * acc[j * 4 + h * 2 + 1]);
         }
       }
     }

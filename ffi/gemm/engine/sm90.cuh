@@ -6,6 +6,8 @@
 #define JAX_NVFP4_FFI_GEMM_ENGINE_SM90_CUH_
 
 #include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -60,6 +62,28 @@ __device__ __forceinline__ void TmaLoad2d(void* dst, const CUtensorMap* map,
       : "memory");
 }
 
+// The box of a 3-D `map` at (inner, middle, outer), as TmaLoad2d.
+__device__ __forceinline__ void TmaLoad3d(void* dst, const CUtensorMap* map,
+                                          uint64_t* bar, int inner, int middle,
+                                          int outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::"
+      "bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(SmemAddress(dst)),
+      "l"(map), "r"(SmemAddress(bar)), "r"(inner), "r"(middle), "r"(outer)
+      : "memory");
+}
+
+// The descriptor of a K-major bf16 operand tile whose rows are 16 elements
+// (32 bytes, one k16 step) written by TMA with 32-byte swizzling: 8-row
+// atoms 256 bytes apart.
+__device__ __forceinline__ uint64_t Swizzled32Operand(const void* tile) {
+  uint64_t d = (uint64_t{SmemAddress(tile)} & 0x3FFFF) >> 4;
+  d |= uint64_t{1} << 16;         // leading byte offset: unused, swizzled
+  d |= uint64_t{256 >> 4} << 32;  // stride byte offset: one 8-row atom
+  d |= uint64_t{3} << 62;         // 32-byte swizzle
+  return d;
+}
+
 // The descriptor of a K-major bf16 operand tile whose rows are 64 elements
 // (128 bytes) written by TMA with 128-byte swizzling: 8-row atoms 1024 bytes
 // apart. One k16 step further along K is 32 bytes further.
@@ -79,6 +103,17 @@ __device__ __forceinline__ void WgmmaCommit() {
 }
 __device__ __forceinline__ void WgmmaWaitAll() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+// Two adjacent outputs, rounded once to Out.
+__device__ __forceinline__ void StorePair(float* p, float x, float y) {
+  *reinterpret_cast<float2*>(p) = make_float2(x, y);
+}
+__device__ __forceinline__ void StorePair(__nv_bfloat16* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void StorePair(__half* p, float x, float y) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
 }
 
 }  // namespace engine

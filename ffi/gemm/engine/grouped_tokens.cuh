@@ -1,0 +1,150 @@
+// The grouped GEMM's tokens form (WGRAD) on the Hopper engine (sm_90a):
+// out[g] [M, N] = alpha[g] * sum over group g's tokens t of a[t, m] b[t, n],
+// with a [items, M, 16] and b [items, N, 16]: 16 tokens per item along the
+// last axis (the column-wise operands the recipe's quantize writes), bf16,
+// float32 sums, alpha and one rounding to the output type.
+//
+// An item is a K-major slab of 16-element (32-byte) rows, the layout wgmma
+// reads with 32-byte swizzling, so one m64n256k16 step consumes one item.
+// Groups start on item boundaries (the token buffer), so a tile's K loop
+// runs over its own group's items only: a stage holds up to kItemsPerStage
+// of them, loaded one TMA box per item, and the last stage of a group may
+// hold fewer. Tiles come from grouped_tiles.h (longest groups first); an
+// empty group's tiles write zeros. The CTA's roles and ring are those of
+// grouped_rows.cuh. Shapes: M and N any multiple of 8 (TMA fills rows past
+// the ends with zeros; the epilogue stores inside them); at most
+// kMaxGroups groups.
+//
+// A standalone prototype, checked by tools/engine_check.cu; not yet a
+// handler of the extension.
+#ifndef JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_TOKENS_CUH_
+#define JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_TOKENS_CUH_
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "gemm/engine/grouped_tiles.h"
+#include "gemm/engine/sm90.cuh"
+#include "gemm/engine/wgmma.cuh"
+
+namespace jax_nvfp4 {
+namespace engine {
+
+struct GroupedTokensShape {
+  static constexpr int kBlockM = 128, kBlockN = 256, kItemsPerStage = 4;
+  static constexpr int kStages = 4, kMaxGroups = 64, kThreads = 384;
+  static constexpr int kItemA = kBlockM * kItemRows * 2;  // one item's box
+  static constexpr int kItemB = kBlockN * kItemRows * 2;
+  static constexpr int kStageA = kItemsPerStage * kItemA;
+  static constexpr int kStageB = kItemsPerStage * kItemB;
+  static constexpr int kSharedBytes =
+      kStages * (kStageA + kStageB) + 2 * kStages * 8 + 1024;
+};
+
+// a: map of [items, M, 16] (dims {16, M, items}, box {16, kBlockM, 1});
+// b: map of [items, N, 16] (box {16, kBlockN, 1}); both bf16, 32-byte
+// swizzle. out: [G, M, N].
+template <typename Out>
+__global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
+    GroupedTokensKernel(const __grid_constant__ CUtensorMap a,
+                        const __grid_constant__ CUtensorMap b,
+                        const int* group_sizes, const float* alpha, Out* out,
+                        int groups, int m, int n) {
+  using S = GroupedTokensShape;
+  extern __shared__ __align__(1024) uint8_t shared_raw[];
+  uint8_t* ring = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* ring_a = ring;
+  uint8_t* ring_b = ring + S::kStages * S::kStageA;
+  uint64_t* full =
+      reinterpret_cast<uint64_t*>(ring_b + S::kStages * S::kStageB);
+  uint64_t* empty = full + S::kStages;
+  __shared__ int sizes[S::kMaxGroups], item_begin[S::kMaxGroups],
+      order[S::kMaxGroups];
+  const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
+  const int m_tiles = CeilDiv(m, S::kBlockM), n_tiles = CeilDiv(n, S::kBlockN);
+  const int total = groups * m_tiles * n_tiles;
+  if (threadIdx.x == 0) {
+    for (int g = 0; g < groups; ++g) sizes[g] = group_sizes[g];
+    TokensTables(sizes, groups, item_begin, order);
+    for (int s = 0; s < S::kStages; ++s) {
+      BarrierInit(&full[s], 1);
+      BarrierInit(&empty[s], 2);  // one arrival per consumer warpgroup
+    }
+    BarrierInitFence();
+  }
+  __syncthreads();
+  if (warpgroup == 0) {
+    if (thread != 0) return;
+    int slot = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      const TokensTile tile =
+          TokensTileAt(t, sizes, item_begin, order, S::kBlockM, S::kBlockN,
+                       m_tiles, n_tiles);
+      for (int item = tile.item_begin; item < tile.item_end;
+           item += S::kItemsPerStage, ++slot) {
+        const int count = min(S::kItemsPerStage, tile.item_end - item);
+        const int s = slot % S::kStages;
+        BarrierWait(&empty[s], ((slot / S::kStages) & 1) ^ 1);
+        BarrierExpectBytes(&full[s], count * (S::kItemA + S::kItemB));
+        for (int j = 0; j < count; ++j) {
+          TmaLoad3d(ring_a + s * S::kStageA + j * S::kItemA, &a, &full[s], 0,
+                    tile.m, item + j);
+          TmaLoad3d(ring_b + s * S::kStageB + j * S::kItemB, &b, &full[s], 0,
+                    tile.n, item + j);
+        }
+      }
+    }
+    return;
+  }
+  const int half = warpgroup - 1, warp = thread / 32, lane = thread % 32;
+  int slot = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const TokensTile tile = TokensTileAt(
+        t, sizes, item_begin, order, S::kBlockM, S::kBlockN, m_tiles, n_tiles);
+    float acc[S::kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < S::kBlockN / 2; ++i) acc[i] = 0.f;
+    for (int item = tile.item_begin; item < tile.item_end;
+         item += S::kItemsPerStage, ++slot) {
+      const int count = min(S::kItemsPerStage, tile.item_end - item);
+      const int s = slot % S::kStages;
+      BarrierWait(&full[s], (slot / S::kStages) & 1);
+      WgmmaFence();
+      for (int j = 0; j < count; ++j) {
+        // This warpgroup's 64 rows of the item: 64 rows x 32 bytes further.
+        const uint8_t* tile_a =
+            ring_a + s * S::kStageA + j * S::kItemA + half * 64 * 32;
+        const uint8_t* tile_b = ring_b + s * S::kStageB + j * S::kItemB;
+        WgmmaM64N256K16(acc, Swizzled32Operand(tile_a),
+                        Swizzled32Operand(tile_b), 1);
+      }
+      WgmmaCommit();
+      WgmmaWaitAll();
+      if (thread == 0) BarrierArrive(&empty[s]);
+    }
+    // An empty group's sums are zeros, written as zeros whatever its alpha.
+    const float scale =
+        tile.item_end > tile.item_begin ? alpha[tile.group] : 0.f;
+    Out* out_group = out + size_t(tile.group) * m * n;
+    const int first = tile.m + half * 64 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int j = 0; j < S::kBlockN / 8; ++j) {
+      const int col = tile.n + j * 8 + (lane % 4) * 2;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = first + h * 8;
+        if (row < m && col < n) {
+          StorePair(out_group + size_t(row) * n + col,
+                    scale * acc[j * 4 + h * 2], scale * acc[j * 4 + h * 2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace engine
+}  // namespace jax_nvfp4
+
+#endif  // JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_TOKENS_CUH_
