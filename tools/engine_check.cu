@@ -325,6 +325,7 @@ int main(int argc, char** argv) {
   Rows<float>({1, 2, 3, 4, 5, 6, 7, 300}, 512, 256, true, sms);
   Rows<float>({0, 0, 0}, 256, 64, true, sms);
   Rows<__nv_bfloat16>({1000, 0, 2000, 513}, 768, 512, true, sms);
+  Rows<float>({70, 0, 33}, 264, 72, true, sms);  // N and K past whole tiles
   Tokens<float>({40, 24, 0, 32, 50, 30, 48, 32}, 128, 256, true, sms);
   Tokens<float>({1, 2, 3, 4, 5, 6, 7, 300}, 200, 264, true, sms);
   Tokens<float>({0, 0, 0}, 128, 256, true, sms);

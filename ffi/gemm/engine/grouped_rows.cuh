@@ -9,8 +9,9 @@
 // 128 rows and run wgmma m64n256k16 with their 128 accumulators in
 // registers, then store the group's rows times its alpha. Tiles come from
 // grouped_tiles.h, built by each CTA from the group sizes it reads on the
-// device (no host sync). Shapes: N a multiple of 256, K of 64; at most
-// kMaxGroups groups.
+// device (no host sync). Shapes as grouped_plan.h checks them: K a
+// multiple of 8 (TMA's 16-byte row pitch; its tail is zero-filled), N even,
+// at most kMaxGroups groups.
 //
 // A standalone prototype: tools/engine_check.cu runs it against a reference
 // kernel; it is not yet a handler of the extension.
@@ -21,6 +22,7 @@
 
 #include <cstdint>
 
+#include "gemm/engine/grouped_plan.h"
 #include "gemm/engine/grouped_tiles.h"
 #include "gemm/engine/sm90.cuh"
 #include "gemm/engine/wgmma.cuh"
@@ -38,6 +40,9 @@ struct GroupedRowsShape {
   static constexpr int kSharedBytes =
       kStages * (kStageA + kStageB) + 2 * kStages * 8 + 1024;
 };
+static_assert(GroupedRowsShape::kSharedBytes == kEngineSharedBytes &&
+                  GroupedRowsShape::kMaxGroups == kEngineMaxGroups,
+              "grouped_plan.h plans with these");
 
 // a: map of the token buffer [rows, K]; b: map of the weights [G * N, K]
 // (both bf16, K-major, boxes of kBlockK x kBlockRows / kBlockCols, 128-byte
@@ -60,7 +65,8 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
   __shared__ int sizes[S::kMaxGroups], start[S::kMaxGroups],
       tile_end[S::kMaxGroups], total;
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
-  const int col_tiles = n / S::kBlockCols, k_steps = k / S::kBlockK;
+  const int col_tiles = CeilDiv(n, S::kBlockCols);
+  const int k_steps = CeilDiv(k, S::kBlockK);  // TMA zero-fills K's tail
   if (threadIdx.x == 0) {
     for (int g = 0; g < groups; ++g) sizes[g] = group_sizes[g];
     total = RowsTiles(sizes, groups, S::kBlockRows, col_tiles, start, tile_end);
@@ -123,7 +129,9 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = first + h * 8;
-        if (row < tile.rows) {  // only the group's rows are stored
+        // Only the group's rows are stored, and only columns inside N (past
+        // it, B's rows are the next group's).
+        if (row < tile.rows && col < n) {
           StorePair(out + size_t(tile.row + row) * n + col,
                     scale * acc[j * 4 + h * 2], scale * acc[j * 4 + h * 2 + 1]);
         }

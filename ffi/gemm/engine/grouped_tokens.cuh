@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "gemm/engine/grouped_plan.h"
 #include "gemm/engine/grouped_tiles.h"
 #include "gemm/engine/sm90.cuh"
 #include "gemm/engine/wgmma.cuh"
@@ -41,6 +42,9 @@ struct GroupedTokensShape {
   static constexpr int kSharedBytes =
       kStages * (kStageA + kStageB) + 2 * kStages * 8 + 1024;
 };
+static_assert(GroupedTokensShape::kSharedBytes == kEngineSharedBytes &&
+                  GroupedTokensShape::kMaxGroups == kEngineMaxGroups,
+              "grouped_plan.h plans with these");
 
 // a: map of [items, M, 16] (dims {16, M, items}, box {16, kBlockM, 1});
 // b: map of [items, N, 16] (box {16, kBlockN, 1}); both bf16, 32-byte
