@@ -289,7 +289,7 @@ static void Tokens(const std::vector<int>& sizes, int m, int n, bool check,
                           TokensShape::kSharedBytes));
   const auto launch = [&] {
     kernel<<<sms, TokensShape::kThreads, TokensShape::kSharedBytes>>>(
-        ma, mb, dsizes, alpha, out, groups, m, n);
+        ma, mb, dsizes, alpha, out, groups, int(stored), m, n);
   };
   launch();
   CK(cudaGetLastError());

@@ -7,13 +7,14 @@
 // An item is a K-major slab of 16-element (32-byte) rows, the layout wgmma
 // reads with 32-byte swizzling, so one m64n256k16 step consumes one item.
 // Groups start on item boundaries (the token buffer), so a tile's K loop
-// runs over its own group's items only: a stage holds up to kItemsPerStage
-// of them, loaded one TMA box per item, and the last stage of a group may
-// hold fewer. Tiles come from grouped_tiles.h (longest groups first); an
-// empty group's tiles write zeros. The CTA's roles and ring are those of
-// grouped_rows.cuh. Shapes: M and N any multiple of 8 (TMA fills rows past
-// the ends with zeros; the epilogue stores inside them); at most
-// kMaxGroups groups.
+// runs over its own group's items only: a stage holds kItemsPerStage of
+// them, loaded one TMA box per item; in a group's last stage the boxes past
+// its items are read past the tensor's end, so they arrive as zeros and add
+// nothing, and every stage runs the same unrolled wgmma steps. Tiles come from
+// grouped_tiles.h (longest groups first); an empty group's tiles write zeros.
+// The CTA's roles and ring are those of grouped_rows.cuh. Shapes: M and N any
+// multiple of 8 (TMA fills rows past the ends with zeros; the epilogue stores
+// inside them); at most kMaxGroups groups.
 //
 // A standalone prototype, checked by tools/engine_check.cu; not yet a
 // handler of the extension.
@@ -48,13 +49,13 @@ static_assert(GroupedTokensShape::kSharedBytes == kEngineSharedBytes &&
 
 // a: map of [items, M, 16] (dims {16, M, items}, box {16, kBlockM, 1});
 // b: map of [items, N, 16] (box {16, kBlockN, 1}); both bf16, 32-byte
-// swizzle. out: [G, M, N].
+// swizzle. items: the tensors' item count. out: [G, M, N].
 template <typename Out>
 __global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
     GroupedTokensKernel(const __grid_constant__ CUtensorMap a,
                         const __grid_constant__ CUtensorMap b,
                         const int* group_sizes, const float* alpha, Out* out,
-                        int groups, int m, int n) {
+                        int groups, int items, int m, int n) {
   using S = GroupedTokensShape;
   extern __shared__ __align__(1024) uint8_t shared_raw[];
   uint8_t* ring = reinterpret_cast<uint8_t*>(
@@ -88,15 +89,17 @@ __global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
                        m_tiles, n_tiles);
       for (int item = tile.item_begin; item < tile.item_end;
            item += S::kItemsPerStage, ++slot) {
-        const int count = min(S::kItemsPerStage, tile.item_end - item);
         const int s = slot % S::kStages;
         BarrierWait(&empty[s], ((slot / S::kStages) & 1) ^ 1);
-        BarrierExpectBytes(&full[s], count * (S::kItemA + S::kItemB));
-        for (int j = 0; j < count; ++j) {
+        BarrierExpectBytes(&full[s], S::kStageA + S::kStageB);
+        for (int j = 0; j < S::kItemsPerStage; ++j) {
+          // Past the group's items: a box past the tensor's end, which
+          // arrives as zeros (so every stage runs the same wgmma steps).
+          const int source = item + j < tile.item_end ? item + j : items;
           TmaLoad3d(ring_a + s * S::kStageA + j * S::kItemA, &a, &full[s], 0,
-                    tile.m, item + j);
+                    tile.m, source);
           TmaLoad3d(ring_b + s * S::kStageB + j * S::kItemB, &b, &full[s], 0,
-                    tile.n, item + j);
+                    tile.n, source);
         }
       }
     }
@@ -112,11 +115,11 @@ __global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
     for (int i = 0; i < S::kBlockN / 2; ++i) acc[i] = 0.f;
     for (int item = tile.item_begin; item < tile.item_end;
          item += S::kItemsPerStage, ++slot) {
-      const int count = min(S::kItemsPerStage, tile.item_end - item);
       const int s = slot % S::kStages;
       BarrierWait(&full[s], (slot / S::kStages) & 1);
       WgmmaFence();
-      for (int j = 0; j < count; ++j) {
+#pragma unroll
+      for (int j = 0; j < S::kItemsPerStage; ++j) {
         // This warpgroup's 64 rows of the item: 64 rows x 32 bytes further.
         const uint8_t* tile_a =
             ring_a + s * S::kStageA + j * S::kItemA + half * 64 * 32;
