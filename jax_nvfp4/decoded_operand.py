@@ -19,14 +19,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4.format import Block, check_leaf_dtype, stored_shape
+from jax_nvfp4.format import Block, QuantizedArrays, check_leaf_dtype
 
 __all__ = ["DecodedOperand"]
 
 
 @jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
-class DecodedOperand:
+@dataclasses.dataclass(frozen=True, repr=False)
+class DecodedOperand(QuantizedArrays):
     """A GEMM operand as bfloat16 e2m1 * block scale, with the metadata of the
     NVFP4Tensor it stands for.
 
@@ -39,6 +39,8 @@ class DecodedOperand:
       amax: float32 scalar, the tensor's global amax (the GEMM's alpha).
       shape, axis, block, rht: as ``NVFP4Tensor``'s.
     """
+
+    _data = "values"
 
     values: jax.Array
     scales: jax.Array
@@ -53,27 +55,4 @@ class DecodedOperand:
             self.values,
             jnp.bfloat16,
             "DecodedOperand.values must be bfloat16 e2m1 * block scale",
-        )
-
-    @property
-    def stored_shape(self) -> tuple[int, ...]:
-        """The logical shape with the quantized axis moved last."""
-        return stored_shape(self.shape, self.axis)
-
-    def tree_flatten(self):
-        return (self.values, self.scales, self.amax), (
-            self.shape,
-            self.axis,
-            self.block,
-            self.rht,
-        )
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
-
-    def __repr__(self) -> str:
-        return (
-            f"DecodedOperand(shape={self.shape}, axis={self.axis}, "
-            f"block={self.block!r}, rht={self.rht})"
         )

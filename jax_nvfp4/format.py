@@ -59,9 +59,37 @@ def check_leaf_dtype(leaf, dtype, what: str) -> None:
         raise TypeError(f"{what}, got {got} {tuple(getattr(leaf, 'shape', ()))}")
 
 
+class QuantizedArrays:
+    """What ``NVFP4Tensor`` and the internal ``DecodedOperand`` share: three
+    arrays (the data named by ``_data``, ``scales``, ``amax``) and the layout
+    of the tensor they stand for (``shape``, ``axis``, ``block``, ``rht``),
+    as a pytree whose leaves are the arrays."""
+
+    _data: str
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The logical shape with the quantized axis moved last."""
+        return stored_shape(self.shape, self.axis)
+
+    def tree_flatten(self):
+        arrays = (getattr(self, self._data), self.scales, self.amax)
+        return arrays, (self.shape, self.axis, self.block, self.rht)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(shape={self.shape}, axis={self.axis}, "
+            f"block={self.block!r}, rht={self.rht})"
+        )
+
+
 @jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
-class NVFP4Tensor:
+@dataclasses.dataclass(frozen=True, repr=False)
+class NVFP4Tensor(QuantizedArrays):
     """A quantized tensor: packed E2M1 codes, E4M3 block scales, float32 amax.
 
     Attributes:
@@ -78,6 +106,8 @@ class NVFP4Tensor:
     ``codes`` is always packed uint8 codes; constructing one with another
     dtype raises ``TypeError``.
     """
+
+    _data = "codes"
 
     codes: jax.Array
     scales: jax.Array
@@ -96,11 +126,6 @@ class NVFP4Tensor:
         )
 
     @property
-    def stored_shape(self) -> tuple[int, ...]:
-        """The logical shape with the quantized axis moved last."""
-        return stored_shape(self.shape, self.axis)
-
-    @property
     def ndim(self) -> int:
         return len(self.shape)
 
@@ -109,24 +134,6 @@ class NVFP4Tensor:
         """Leading axes that ``vmap`` added to the arrays of a tensor it
         returned (``shape`` is per example); 0 inside the ``vmap``."""
         return self.codes.ndim - len(self.stored_shape)
-
-    def tree_flatten(self):
-        return (self.codes, self.scales, self.amax), (
-            self.shape,
-            self.axis,
-            self.block,
-            self.rht,
-        )
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
-
-    def __repr__(self) -> str:
-        return (
-            f"NVFP4Tensor(shape={self.shape}, axis={self.axis}, "
-            f"block={self.block!r}, rht={self.rht})"
-        )
 
 
 def stored_shape(shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
