@@ -198,9 +198,9 @@ static void Rows(const std::vector<int>& sizes, int n, int k, bool check,
                              CU_TENSOR_MAP_SWIZZLE_128B);
   const auto kernel = engine::GroupedRowsKernel<Out>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          RowsShape::kSharedBytes));
+                          RowsShape::Ring::kSharedBytes));
   const auto launch = [&] {
-    kernel<<<sms, RowsShape::kThreads, RowsShape::kSharedBytes>>>(
+    kernel<<<sms, RowsShape::kThreads, RowsShape::Ring::kSharedBytes>>>(
         ma, mb, dsizes, alpha, out, groups, n, k);
   };
   launch();
@@ -286,9 +286,9 @@ static void Tokens(const std::vector<int>& sizes, int m, int n, bool check,
           {16, TokensShape::kBlockN, 1}, CU_TENSOR_MAP_SWIZZLE_32B);
   const auto kernel = engine::GroupedTokensKernel<Out>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          TokensShape::kSharedBytes));
+                          TokensShape::Ring::kSharedBytes));
   const auto launch = [&] {
-    kernel<<<sms, TokensShape::kThreads, TokensShape::kSharedBytes>>>(
+    kernel<<<sms, TokensShape::kThreads, TokensShape::Ring::kSharedBytes>>>(
         ma, mb, dsizes, alpha, out, groups, int(stored), m, n);
   };
   launch();

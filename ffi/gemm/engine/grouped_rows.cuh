@@ -24,6 +24,7 @@
 
 #include "gemm/engine/grouped_plan.h"
 #include "gemm/engine/grouped_tiles.h"
+#include "gemm/engine/pipeline.cuh"
 #include "gemm/engine/sm90.cuh"
 #include "gemm/engine/wgmma.cuh"
 
@@ -33,14 +34,10 @@ namespace engine {
 struct GroupedRowsShape {
   static constexpr int kBlockRows = 128, kBlockCols = 256, kBlockK = 64;
   static constexpr int kStages = 4, kMaxGroups = 64, kThreads = 384;
-  static constexpr int kStageA = kBlockRows * kBlockK * 2;
-  static constexpr int kStageB = kBlockCols * kBlockK * 2;
-  // The ring, its barriers, and room to align the ring to 1024 bytes (the
-  // 128-byte swizzle's atom).
-  static constexpr int kSharedBytes =
-      kStages * (kStageA + kStageB) + 2 * kStages * 8 + 1024;
+  using Ring =
+      engine::Ring<kStages, kBlockRows * kBlockK * 2, kBlockCols * kBlockK * 2>;
 };
-static_assert(GroupedRowsShape::kSharedBytes == kEngineSharedBytes &&
+static_assert(GroupedRowsShape::Ring::kSharedBytes == kEngineSharedBytes &&
                   GroupedRowsShape::kMaxGroups == kEngineMaxGroups,
               "grouped_plan.h plans with these");
 
@@ -55,13 +52,7 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
                       int groups, int n, int k) {
   using S = GroupedRowsShape;
   extern __shared__ __align__(1024) uint8_t shared_raw[];
-  uint8_t* ring = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* ring_a = ring;
-  uint8_t* ring_b = ring + S::kStages * S::kStageA;
-  uint64_t* full =
-      reinterpret_cast<uint64_t*>(ring_b + S::kStages * S::kStageB);
-  uint64_t* empty = full + S::kStages;
+  S::Ring ring(shared_raw);
   __shared__ int sizes[S::kMaxGroups], start[S::kMaxGroups],
       tile_end[S::kMaxGroups], total;
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
@@ -70,11 +61,7 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int g = 0; g < groups; ++g) sizes[g] = group_sizes[g];
     total = RowsTiles(sizes, groups, S::kBlockRows, col_tiles, start, tile_end);
-    for (int s = 0; s < S::kStages; ++s) {
-      BarrierInit(&full[s], 1);
-      BarrierInit(&empty[s], 2);  // one arrival per consumer warpgroup
-    }
-    BarrierInitFence();
+    ring.Init();
   }
   __syncthreads();
   // Both roles walk the same tiles and count the same ring slots.
@@ -85,18 +72,15 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
       const RowsTile tile = RowsTileAt(t, sizes, start, tile_end, groups,
                                        S::kBlockRows, S::kBlockCols, col_tiles);
       for (int i = 0; i < k_steps; ++i, ++slot) {
-        const int s = slot % S::kStages;
-        BarrierWait(&empty[s], ((slot / S::kStages) & 1) ^ 1);
-        BarrierExpectBytes(&full[s], S::kStageA + S::kStageB);
-        TmaLoad2d(ring_a + s * S::kStageA, &a, &full[s], i * S::kBlockK,
-                  tile.row);
-        TmaLoad2d(ring_b + s * S::kStageB, &b, &full[s], i * S::kBlockK,
+        const int s = ring.Fill(slot, S::Ring::kStageBytes);
+        TmaLoad2d(ring.TileA(s), &a, &ring.full[s], i * S::kBlockK, tile.row);
+        TmaLoad2d(ring.TileB(s), &b, &ring.full[s], i * S::kBlockK,
                   tile.group * n + tile.col);
       }
     }
     return;
   }
-  const int half = warpgroup - 1, warp = thread / 32, lane = thread % 32;
+  const int half = warpgroup - 1;
   int slot = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const RowsTile tile = RowsTileAt(t, sizes, start, tile_end, groups,
@@ -105,38 +89,23 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < S::kBlockCols / 2; ++i) acc[i] = 0.f;
     for (int i = 0; i < k_steps; ++i, ++slot) {
-      const int s = slot % S::kStages;
-      BarrierWait(&full[s], (slot / S::kStages) & 1);
+      const int s = ring.Take(slot);
       WgmmaFence();
-      const uint8_t* tile_a = ring_a + s * S::kStageA + half * 64 * 128;
-      const uint8_t* tile_b = ring_b + s * S::kStageB;
+      // This warpgroup's 64 rows: 64 rows x 128 bytes further.
+      const uint8_t* tile_a = ring.TileA(s) + half * 64 * 128;
 #pragma unroll
       for (int step = 0; step < S::kBlockK / 16; ++step) {
         WgmmaM64N256K16(acc, SwizzledOperand(tile_a + step * 32),
-                        SwizzledOperand(tile_b + step * 32), 1);
+                        SwizzledOperand(ring.TileB(s) + step * 32), 1);
       }
       WgmmaCommit();
       WgmmaWaitAll();
-      if (thread == 0) BarrierArrive(&empty[s]);
+      if (thread == 0) ring.Release(s);
     }
-    // Accumulator i of this thread: row warp * 16 + lane / 4 (+ 8 for the
-    // odd pairs), column (i / 4) * 8 + (lane % 4) * 2 + i % 2.
-    const float scale = alpha[tile.group];
-    const int first = half * 64 + warp * 16 + lane / 4;
-#pragma unroll
-    for (int j = 0; j < S::kBlockCols / 8; ++j) {
-      const int col = tile.col + j * 8 + (lane % 4) * 2;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = first + h * 8;
-        // Only the group's rows are stored, and only columns inside N (past
-        // it, B's rows are the next group's).
-        if (row < tile.rows && col < n) {
-          StorePair(out + size_t(tile.row + row) * n + col,
-                    scale * acc[j * 4 + h * 2], scale * acc[j * 4 + h * 2 + 1]);
-        }
-      }
-    }
+    // Only the group's rows, and only columns inside N (past it, B's rows
+    // are the next group's).
+    StoreTile(acc, alpha[tile.group], out + int64_t{tile.row} * n, n, tile.rows,
+              tile.col, n, half, thread);
   }
 }
 

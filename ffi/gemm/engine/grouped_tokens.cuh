@@ -12,9 +12,10 @@
 // its items are read past the tensor's end, so they arrive as zeros and add
 // nothing, and every stage runs the same unrolled wgmma steps. Tiles come from
 // grouped_tiles.h (longest groups first); an empty group's tiles write zeros.
-// The CTA's roles and ring are those of grouped_rows.cuh. Shapes: M and N any
-// multiple of 8 (TMA fills rows past the ends with zeros; the epilogue stores
-// inside them); at most kMaxGroups groups.
+// The CTA's roles are those of grouped_rows.cuh, on the same ring
+// (pipeline.cuh). Shapes as grouped_plan.h checks them: N even, any M (TMA
+// fills rows past the ends with zeros; the epilogue stores inside them), at
+// most kMaxGroups groups.
 //
 // A standalone prototype, checked by tools/engine_check.cu; not yet a
 // handler of the extension.
@@ -27,6 +28,7 @@
 
 #include "gemm/engine/grouped_plan.h"
 #include "gemm/engine/grouped_tiles.h"
+#include "gemm/engine/pipeline.cuh"
 #include "gemm/engine/sm90.cuh"
 #include "gemm/engine/wgmma.cuh"
 
@@ -38,12 +40,10 @@ struct GroupedTokensShape {
   static constexpr int kStages = 4, kMaxGroups = 64, kThreads = 384;
   static constexpr int kItemA = kBlockM * kItemRows * 2;  // one item's box
   static constexpr int kItemB = kBlockN * kItemRows * 2;
-  static constexpr int kStageA = kItemsPerStage * kItemA;
-  static constexpr int kStageB = kItemsPerStage * kItemB;
-  static constexpr int kSharedBytes =
-      kStages * (kStageA + kStageB) + 2 * kStages * 8 + 1024;
+  using Ring =
+      engine::Ring<kStages, kItemsPerStage * kItemA, kItemsPerStage * kItemB>;
 };
-static_assert(GroupedTokensShape::kSharedBytes == kEngineSharedBytes &&
+static_assert(GroupedTokensShape::Ring::kSharedBytes == kEngineSharedBytes &&
                   GroupedTokensShape::kMaxGroups == kEngineMaxGroups,
               "grouped_plan.h plans with these");
 
@@ -58,13 +58,7 @@ __global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
                         int groups, int items, int m, int n) {
   using S = GroupedTokensShape;
   extern __shared__ __align__(1024) uint8_t shared_raw[];
-  uint8_t* ring = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(shared_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* ring_a = ring;
-  uint8_t* ring_b = ring + S::kStages * S::kStageA;
-  uint64_t* full =
-      reinterpret_cast<uint64_t*>(ring_b + S::kStages * S::kStageB);
-  uint64_t* empty = full + S::kStages;
+  S::Ring ring(shared_raw);
   __shared__ int sizes[S::kMaxGroups], item_begin[S::kMaxGroups],
       order[S::kMaxGroups];
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
@@ -73,13 +67,10 @@ __global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int g = 0; g < groups; ++g) sizes[g] = group_sizes[g];
     TokensTables(sizes, groups, item_begin, order);
-    for (int s = 0; s < S::kStages; ++s) {
-      BarrierInit(&full[s], 1);
-      BarrierInit(&empty[s], 2);  // one arrival per consumer warpgroup
-    }
-    BarrierInitFence();
+    ring.Init();
   }
   __syncthreads();
+  // Both roles walk the same tiles and count the same ring slots.
   if (warpgroup == 0) {
     if (thread != 0) return;
     int slot = 0;
@@ -89,23 +80,21 @@ __global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
                        m_tiles, n_tiles);
       for (int item = tile.item_begin; item < tile.item_end;
            item += S::kItemsPerStage, ++slot) {
-        const int s = slot % S::kStages;
-        BarrierWait(&empty[s], ((slot / S::kStages) & 1) ^ 1);
-        BarrierExpectBytes(&full[s], S::kStageA + S::kStageB);
+        const int s = ring.Fill(slot, S::Ring::kStageBytes);
         for (int j = 0; j < S::kItemsPerStage; ++j) {
           // Past the group's items: a box past the tensor's end, which
           // arrives as zeros (so every stage runs the same wgmma steps).
           const int source = item + j < tile.item_end ? item + j : items;
-          TmaLoad3d(ring_a + s * S::kStageA + j * S::kItemA, &a, &full[s], 0,
-                    tile.m, source);
-          TmaLoad3d(ring_b + s * S::kStageB + j * S::kItemB, &b, &full[s], 0,
-                    tile.n, source);
+          TmaLoad3d(ring.TileA(s) + j * S::kItemA, &a, &ring.full[s], 0, tile.m,
+                    source);
+          TmaLoad3d(ring.TileB(s) + j * S::kItemB, &b, &ring.full[s], 0, tile.n,
+                    source);
         }
       }
     }
     return;
   }
-  const int half = warpgroup - 1, warp = thread / 32, lane = thread % 32;
+  const int half = warpgroup - 1;
   int slot = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const TokensTile tile = TokensTileAt(
@@ -115,39 +104,25 @@ __global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
     for (int i = 0; i < S::kBlockN / 2; ++i) acc[i] = 0.f;
     for (int item = tile.item_begin; item < tile.item_end;
          item += S::kItemsPerStage, ++slot) {
-      const int s = slot % S::kStages;
-      BarrierWait(&full[s], (slot / S::kStages) & 1);
+      const int s = ring.Take(slot);
       WgmmaFence();
 #pragma unroll
       for (int j = 0; j < S::kItemsPerStage; ++j) {
         // This warpgroup's 64 rows of the item: 64 rows x 32 bytes further.
-        const uint8_t* tile_a =
-            ring_a + s * S::kStageA + j * S::kItemA + half * 64 * 32;
-        const uint8_t* tile_b = ring_b + s * S::kStageB + j * S::kItemB;
-        WgmmaM64N256K16(acc, Swizzled32Operand(tile_a),
-                        Swizzled32Operand(tile_b), 1);
+        WgmmaM64N256K16(
+            acc,
+            Swizzled32Operand(ring.TileA(s) + j * S::kItemA + half * 64 * 32),
+            Swizzled32Operand(ring.TileB(s) + j * S::kItemB), 1);
       }
       WgmmaCommit();
       WgmmaWaitAll();
-      if (thread == 0) BarrierArrive(&empty[s]);
+      if (thread == 0) ring.Release(s);
     }
     // An empty group's sums are zeros, written as zeros whatever its alpha.
     const float scale =
         tile.item_end > tile.item_begin ? alpha[tile.group] : 0.f;
-    Out* out_group = out + size_t(tile.group) * m * n;
-    const int first = tile.m + half * 64 + warp * 16 + lane / 4;
-#pragma unroll
-    for (int j = 0; j < S::kBlockN / 8; ++j) {
-      const int col = tile.n + j * 8 + (lane % 4) * 2;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = first + h * 8;
-        if (row < m && col < n) {
-          StorePair(out_group + size_t(row) * n + col,
-                    scale * acc[j * 4 + h * 2], scale * acc[j * 4 + h * 2 + 1]);
-        }
-      }
-    }
+    StoreTile(acc, scale, out + (int64_t{tile.group} * m + tile.m) * n, n,
+              m - tile.m, tile.n, n, half, thread);
   }
 }
 
