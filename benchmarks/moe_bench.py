@@ -45,6 +45,7 @@ from common import argument_parser, header, stub_xprof, write_json
 
 import jax_nvfp4 as nv
 from jax_nvfp4.backends import bf16_grouped_gemm
+from jax_nvfp4.ops import token_buffer
 
 
 def group_sizes(rows: int, experts: int) -> jax.Array:
@@ -82,11 +83,11 @@ def tokamax_ragged_dot():
 
 def kernel_operands(rows, wg, sizes):
     """Decoded-operand stand-ins of the first projection's GEMMs: bf16 rows
-    [R, d] (R = rows + 15 G, groups padded to 16), w [G, ffn, d]; the WGRAD
+    [R, d] (R the token buffer's rows, groups padded to 16), w [G, ffn, d]; the WGRAD
     operands as items of 16 tokens [R / 16, d or ffn, 16]."""
     count, d, ffn = wg.shape
     padded = (sizes + 15) // 16 * 16
-    buffer_rows = (rows.shape[0] + 15 * count) // 16 * 16
+    buffer_rows = token_buffer.buffer_rows(rows.shape[0], count)
     a = jnp.zeros((buffer_rows, d), jnp.bfloat16).at[: rows.shape[0]].set(rows)
     b = jnp.swapaxes(wg, 1, 2)
     items = buffer_rows // 16
