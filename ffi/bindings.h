@@ -163,6 +163,22 @@ auto GroupedGemmBf16Binding(Binder binder) {
       .template Attr<bool>("tokens");          // the form: rows or tokens
 }
 
+// jax_nvfp4_grouped_gemm_sm90 (CUDA, sm_90a): the same GEMM on the Hopper
+// engine (ffi/gemm/engine/grouped_gemm.cu); the tokens form's operands come
+// as lines of 64 tokens.
+template <typename Binder>
+auto GroupedGemmSm90Binding(Binder binder) {
+  return std::move(binder)
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // a: rows [R, L]; tokens
+                                               // [lines, M, 64]
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // b: rows [G, N, L]; tokens
+                                               // [lines, N, 64]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // sizes [G], multiples of 16
+      .template Arg<ffi::Buffer<ffi::F32>>()   // alpha [G]
+      .template Ret<ffi::AnyBuffer>()          // rows [R, N]; tokens [G, M, N]
+      .template Attr<bool>("tokens");          // the form: rows or tokens
+}
+
 // jax_nvfp4_matmul_w4a16 (CUDA): bf16 x times an NVFP4 weight decoded in
 // registers (ffi/gemm/mma/w4a16_gemm.cu).
 template <typename Binder>

@@ -23,6 +23,9 @@ Settings (environment variable, default):
 ``grouped_gemm`` (``JAX_NVFP4_GROUPED_GEMM``, on): ``ragged_dot``'s grouped
     GEMM by the CUDA handler on GPUs; off: XLA's ``ragged_dot_general`` on the
     same decoded operands (which XLA expands to a masked dense GEMM).
+``gemm_engine`` (``JAX_NVFP4_GEMM_ENGINE``, on): that grouped GEMM by the
+    Hopper engine (wgmma and TMA kernels) on compute capability 9.0 GPUs,
+    for the shapes it serves; off: the mma.sync handler there too.
 ``w4a16_gemm`` (``JAX_NVFP4_W4A16_GEMM``, on): ``matmul`` of bfloat16
     activations by an NVFP4 weight through the CUDA handler that decodes the
     weight in registers, for few rows; off: the decoded weight and a bf16 GEMM.
@@ -89,6 +92,7 @@ class Settings:
     cublaslt_gemm: bool = True
     gemm_graphs: bool = True
     grouped_gemm: bool = True
+    gemm_engine: bool = True
     w4a16_gemm: bool = True
     gemm_operands: str = "auto"
 
@@ -99,6 +103,7 @@ SWITCHES = {
     "JAX_NVFP4_CUBLASLT_GEMM": "cublaslt_gemm",
     "JAX_NVFP4_GEMM_GRAPHS": "gemm_graphs",
     "JAX_NVFP4_GROUPED_GEMM": "grouped_gemm",
+    "JAX_NVFP4_GEMM_ENGINE": "gemm_engine",
     "JAX_NVFP4_W4A16_GEMM": "w4a16_gemm",
 }
 # The settings that choose among named values: {environment variable:

@@ -1,5 +1,6 @@
 // A standalone check of the Hopper GEMM engine's grouped forms
-// (ffi/gemm/engine/grouped_rows.cuh, grouped_tokens.cuh) on an sm_90a GPU:
+// (ffi/gemm/engine/grouped_rows.cuh, grouped_tokens.cuh) on an sm_90a GPU,
+// apart from the FFI handler (ffi/gemm/engine/grouped_gemm.cu):
 // bit-for-bit equality with plain reference kernels on integer-valued
 // operands and power-of-two alphas (exact sums), empty and unaligned
 // groups, float32 and bfloat16 outputs, and the TFLOP/s of moe_bench's
@@ -20,6 +21,7 @@
 
 #include "gemm/engine/grouped_rows.cuh"
 #include "gemm/engine/grouped_tokens.cuh"
+#include "gemm/engine/tensor_map.h"
 
 #define CK(x)                                                             \
   do {                                                                    \
@@ -36,32 +38,13 @@ using TokensShape = engine::GroupedTokensShape;
 
 static int failures = 0;  // cases with a differing element
 
-using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t,
-                              void*, const cuuint64_t*, const cuuint64_t*,
-                              const cuuint32_t*, const cuuint32_t*,
-                              CUtensorMapInterleave, CUtensorMapSwizzle,
-                              CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-static EncodeFn encode = nullptr;
-
-// A bf16 tensor map of `rank` dims (innermost first), contiguous.
-static CUtensorMap Map(void* base, std::vector<cuuint64_t> dims,
-                       std::vector<cuuint32_t> box,
-                       CUtensorMapSwizzle swizzle) {
+// A contiguous bf16 tensor map of dims (innermost first) read in boxes.
+static CUtensorMap Map(void* base, std::vector<uint64_t> dims,
+                       std::vector<uint32_t> box, CUtensorMapSwizzle swizzle) {
   CUtensorMap map;
-  std::vector<cuuint64_t> strides;
-  cuuint64_t stride = 2;
-  for (size_t i = 0; i + 1 < dims.size(); ++i) {
-    stride *= dims[i];
-    strides.push_back(stride);
-  }
-  std::vector<cuuint32_t> elem(dims.size(), 1);
-  CUresult r = encode(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(dims.size()), base,
-      dims.data(), strides.data(), box.data(), elem.data(),
-      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    printf("cuTensorMapEncodeTiled failed: %d\n", int(r));
+  if (!engine::Bf16TensorMap(base, int(dims.size()), dims.data(), box.data(),
+                             swizzle, &map)) {
+    printf("cuTensorMapEncodeTiled failed\n");
     exit(1);
   }
   return map;
@@ -201,7 +184,7 @@ static void Rows(const std::vector<int>& sizes, int n, int k, bool check,
                           RowsShape::Ring::kSharedBytes));
   const auto launch = [&] {
     kernel<<<sms, RowsShape::kThreads, RowsShape::Ring::kSharedBytes>>>(
-        ma, mb, dsizes, alpha, out, groups, n, k);
+        ma, mb, dsizes, alpha, out, groups, int(rows), n, k);
   };
   launch();
   CK(cudaGetLastError());
@@ -225,21 +208,23 @@ static void Rows(const std::vector<int>& sizes, int n, int k, bool check,
 
 // --- tokens form -----------------------------------------------------------
 
+// Group g's tokens are lines [line_begin[g], line_end[g]) of a [lines, m,
+// 64] and b [lines, n, 64], 64 tokens a line, zeros past its tokens.
 __global__ void TokensReference(const __nv_bfloat16* a, const __nv_bfloat16* b,
-                                const int* item_begin, const int* item_end,
+                                const int* line_begin, const int* line_end,
                                 const float* alpha, float* c, int m, int n) {
   const int row = blockIdx.y * blockDim.y + threadIdx.y;
   const int col = blockIdx.x * blockDim.x + threadIdx.x;
   const int g = blockIdx.z;
   if (row >= m || col >= n) return;
   float s = 0.f;
-  for (int item = item_begin[g]; item < item_end[g]; ++item) {
-    for (int t = 0; t < 16; ++t) {
-      s += __bfloat162float(a[(size_t(item) * m + row) * 16 + t]) *
-           __bfloat162float(b[(size_t(item) * n + col) * 16 + t]);
+  for (int line = line_begin[g]; line < line_end[g]; ++line) {
+    for (int t = 0; t < 64; ++t) {
+      s += __bfloat162float(a[(size_t(line) * m + row) * 64 + t]) *
+           __bfloat162float(b[(size_t(line) * n + col) * 64 + t]);
     }
   }
-  const bool empty = item_end[g] == item_begin[g];
+  const bool empty = line_end[g] == line_begin[g];
   c[(size_t(g) * m + row) * n + col] = empty ? 0.f : alpha[g] * s;
 }
 
@@ -248,22 +233,22 @@ static void Tokens(const std::vector<int>& sizes, int m, int n, bool check,
                    int sms) {
   const int groups = int(sizes.size());
   std::vector<int> begin(groups), end(groups);
-  long items = 0, tokens = 0;
+  long lines = 0, tokens = 0;
   for (int g = 0; g < groups; ++g) {
-    begin[g] = int(items);
-    items += engine::PaddedSize(sizes[g]) / engine::kItemRows;
-    end[g] = int(items);
+    begin[g] = int(lines);
+    lines += engine::CeilDiv(sizes[g], TokensShape::kLineTokens);
+    end[g] = int(lines);
     tokens += sizes[g];
   }
-  const long stored = items > 0 ? items : 1;
-  auto ha = SmallIntegers(size_t(stored) * m * 16, int(items + m));
-  auto hb = SmallIntegers(size_t(stored) * n * 16, int(items + n));
-  // The token buffer's padding past each group's tokens holds zeros.
+  const long stored = lines > 0 ? lines : 1;
+  auto ha = SmallIntegers(size_t(stored) * m * 64, int(lines + m));
+  auto hb = SmallIntegers(size_t(stored) * n * 64, int(lines + n));
+  // Each group's last line holds zeros past its tokens.
   for (int g = 0; g < groups; ++g) {
-    for (long t = sizes[g]; t < engine::PaddedSize(sizes[g]); ++t) {
-      const long item = begin[g] + t / 16;
-      for (int r = 0; r < m; ++r) ha[(item * m + r) * 16 + t % 16] = 0.f;
-      for (int r = 0; r < n; ++r) hb[(item * n + r) * 16 + t % 16] = 0.f;
+    for (long t = sizes[g]; t < long(end[g] - begin[g]) * 64; ++t) {
+      const long line = begin[g] + t / 64;
+      for (int r = 0; r < m; ++r) ha[(line * m + r) * 64 + t % 64] = 0.f;
+      for (int r = 0; r < n; ++r) hb[(line * n + r) * 64 + t % 64] = 0.f;
     }
   }
   __nv_bfloat16* a = Upload(ha);
@@ -279,11 +264,11 @@ static void Tokens(const std::vector<int>& sizes, int m, int n, bool check,
   CK(cudaMalloc(&reference, count * 4));
   CK(cudaMemset(out, 0xFF, count * sizeof(Out)));  // every element written
   const CUtensorMap ma =
-      Map(a, {16, cuuint64_t(m), cuuint64_t(stored)},
-          {16, TokensShape::kBlockM, 1}, CU_TENSOR_MAP_SWIZZLE_32B);
+      Map(a, {64, cuuint64_t(m), cuuint64_t(stored)},
+          {64, TokensShape::kBlockM, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap mb =
-      Map(b, {16, cuuint64_t(n), cuuint64_t(stored)},
-          {16, TokensShape::kBlockN, 1}, CU_TENSOR_MAP_SWIZZLE_32B);
+      Map(b, {64, cuuint64_t(n), cuuint64_t(stored)},
+          {64, TokensShape::kBlockN, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
   const auto kernel = engine::GroupedTokensKernel<Out>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           TokensShape::Ring::kSharedBytes));
@@ -313,10 +298,6 @@ static void Tokens(const std::vector<int>& sizes, int m, int n, bool check,
 
 int main(int argc, char** argv) {
   const bool small = argc > 1 && std::string(argv[1]) == "small";
-  cudaDriverEntryPointQueryResult q;
-  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled",
-                                      reinterpret_cast<void**>(&encode), 12000,
-                                      cudaEnableDefault, &q));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const std::vector<int> moe = {10922, 5461, 10922, 5461,
@@ -328,6 +309,7 @@ int main(int argc, char** argv) {
   Rows<float>({70, 0, 33}, 264, 72, true, sms);  // N and K past whole tiles
   Tokens<float>({40, 24, 0, 32, 50, 30, 48, 32}, 128, 256, true, sms);
   Tokens<float>({1, 2, 3, 4, 5, 6, 7, 300}, 200, 264, true, sms);
+  Tokens<float>({64, 128, 16, 0, 80}, 128, 256, true, sms);
   Tokens<float>({0, 0, 0}, 128, 256, true, sms);
   Tokens<__nv_bfloat16>({1000, 0, 2000, 513}, 384, 512, true, sms);
   if (!small) {

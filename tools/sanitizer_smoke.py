@@ -101,8 +101,9 @@ def ragged_step(key):
 
 
 def grouped_gemms(key):
-    """The grouped GEMM handler alone, both forms (no XLA computation around
-    it but the call)."""
+    """The grouped GEMM handlers alone (the Hopper engine where it runs, the
+    mma.sync kernel), both forms (no XLA computation around them but the
+    call and the engine's token lines)."""
     from jax_nvfp4.backends import bf16_grouped_gemm
 
     sizes = jnp.array([32, 0, 160, 48], jnp.int32)
@@ -111,11 +112,23 @@ def grouped_gemms(key):
     ta = jax.random.normal(key, (16, 80, 16), jnp.bfloat16)
     tb = jax.random.normal(key, (16, 48, 16), jnp.bfloat16)
     alpha = jnp.ones(4, jnp.float32)
-    handler = bf16_grouped_gemm.handler_supported()
-    return (
-        bf16_grouped_gemm.rows(a, b, sizes, alpha, jnp.bfloat16, handler=handler),
-        bf16_grouped_gemm.tokens(ta, tb, sizes, alpha, jnp.float32, handler=handler),
-    )
+    kernels = [
+        kernel
+        for kernel, here in (
+            ("engine", bf16_grouped_gemm.engine_supported(groups=4, n=48)),
+            ("mma", bf16_grouped_gemm.handler_supported()),
+        )
+        if here
+    ] or ["xla"]
+    outs = []
+    for kernel in kernels:
+        outs.append(
+            bf16_grouped_gemm.rows(a, b, sizes, alpha, jnp.bfloat16, kernel=kernel)
+        )
+        outs.append(
+            bf16_grouped_gemm.tokens(ta, tb, sizes, alpha, jnp.float32, kernel=kernel)
+        )
+    return outs
 
 
 def w4a16_gemms(key):

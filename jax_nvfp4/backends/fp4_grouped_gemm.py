@@ -81,20 +81,24 @@ def _starts(sizes: jax.Array) -> jax.Array:
 
 
 def realigned_rows(
-    padded_sizes: jax.Array, rows: int, granule: int = _BLOCK
+    padded_sizes: jax.Array,
+    rows: int,
+    granule: int = _BLOCK,
+    alignment: int = GROUP_ALIGNMENT,
 ) -> tuple[jax.Array, int]:
     """Where each row of the aligned buffer comes from.
 
     ``padded_sizes`` [G]: the groups' rows in ``ragged_dot``'s buffer of
     ``rows`` rows (multiples of ``granule``, in order: 16, or 1 for a shard
     of the buffer's rows). Returns (src [rows out], rows out): row j of a
-    buffer whose groups start at multiples of GROUP_ALIGNMENT holds row
-    src[j] of the input buffer, or zeros where src is out of range.
+    buffer whose groups start at multiples of ``alignment`` (GROUP_ALIGNMENT
+    here) holds row src[j] of the input buffer, or zeros where src is out of
+    range.
     """
     count = padded_sizes.shape[0]
-    out_rows = round_up(rows + (GROUP_ALIGNMENT - granule) * count, GROUP_ALIGNMENT)
+    out_rows = round_up(rows + (alignment - granule) * count, alignment)
     sizes = padded_sizes.astype(jnp.int32)
-    aligned = (sizes + GROUP_ALIGNMENT - 1) // GROUP_ALIGNMENT * GROUP_ALIGNMENT
+    aligned = (sizes + alignment - 1) // alignment * alignment
     j = jnp.arange(out_rows, dtype=jnp.int32)
     group = jnp.searchsorted(jnp.cumsum(aligned), j, side="right")
     g = jnp.minimum(group, count - 1)

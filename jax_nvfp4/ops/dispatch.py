@@ -14,9 +14,11 @@ Dense GEMM (the matmul primitive), chosen when lowered for CUDA
 
 Grouped GEMM (the ``grouped_matmul`` primitives of ``ragged_dot``), chosen
 when lowered for CUDA (``grouped_path``): ``"native_fp4"`` (one FP4 GEMM per
-group on the codes, ``fp4_grouped_gemm``), ``"bf16_handler"`` (one grouped
-launch on the decoded operands, ``bf16_grouped_gemm``) or ``"xla_ragged"``
-(XLA's ``ragged_dot_general`` on the same operands). The CPU lowering is
+group on the codes, ``fp4_grouped_gemm``), ``"engine"`` (one launch of the
+Hopper engine on the decoded operands, ``bf16_grouped_gemm``, compute
+capability 9.0), ``"bf16_handler"`` (one launch of the mma.sync kernel on
+them, from 8.0) or ``"xla_ragged"`` (XLA's ``ragged_dot_general`` on the same
+operands). The CPU lowering is
 ``"per_group"``: the CPU handler's in-order sums once per group, the exact
 reference.
 
@@ -69,7 +71,7 @@ __all__ = [
 ]
 
 DENSE = ("native_fp4", "cublaslt_bf16", "xla_bf16")
-GROUPED = ("per_group", "bf16_handler", "xla_ragged", "native_fp4")
+GROUPED = ("per_group", "engine", "bf16_handler", "xla_ragged", "native_fp4")
 W4A16 = ("handler", "cublaslt", "xla")
 
 
@@ -119,19 +121,37 @@ def decoded_operands(dtype) -> bool:
     )
 
 
-def grouped_path(target: Any = None, *, decoded: bool = False) -> str:
+def grouped_path(
+    target: Any = None,
+    *,
+    decoded: bool = False,
+    groups: int | None = None,
+    n: int | None = None,
+) -> str:
     """The grouped GEMM lowered for CUDA: one of ``GROUPED`` but
     ``"per_group"`` (the CPU's).
 
     ``target``: a lowering rule's context (the devices it lowers for), a
     device, a sequence of devices, or None for the CUDA backend's devices
     (``devices.lowering_devices``). ``decoded``: an operand holds bfloat16
-    values instead of codes; it takes a bf16 path on any GPU."""
+    values instead of codes; it takes a bf16 path on any GPU. ``groups``
+    and ``n``: the GEMM's group count and output columns (N), where known;
+    the handlers need N even, the Hopper engine at most
+    ``bf16_grouped_gemm.ENGINE_MAX_GROUPS`` groups."""
     settings = config.settings()
     lowered_for = devices.lowering_devices(target)
     if settings.native_gemm and not decoded and fp4_grouped_gemm.supported(lowered_for):
         return "native_fp4"
-    if settings.grouped_gemm and bf16_grouped_gemm.handler_supported(lowered_for):
+    if not settings.grouped_gemm or (n is not None and n % 2):
+        return "xla_ragged"
+    if (
+        settings.gemm_engine
+        and groups is not None
+        and n is not None
+        and bf16_grouped_gemm.engine_supported(lowered_for, groups=groups, n=n)
+    ):
+        return "engine"
+    if bf16_grouped_gemm.handler_supported(lowered_for):
         return "bf16_handler"
     return "xla_ragged"
 

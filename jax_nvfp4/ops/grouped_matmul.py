@@ -192,7 +192,7 @@ def _gemm_dtype(dtype):
     return np.dtype(dtype) if np.dtype(dtype) in ok else _F32
 
 
-def _rows_bf16(handler: bool) -> Callable:
+def _rows_bf16(kernel: str) -> Callable:
     def body(*operands, dtype):
         a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin = operands
         local = _local_sizes(sizes, origin[0], a_codes.shape[1])
@@ -202,13 +202,13 @@ def _rows_bf16(handler: bool) -> Callable:
             local,
             _alpha(a_amax, b_amax),
             dtype,
-            handler=handler,
+            kernel=kernel,
         )
 
     return body
 
 
-def _tokens_bf16(handler: bool) -> Callable:
+def _tokens_bf16(kernel: str) -> Callable:
     def body(*operands, dtype):
         a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, sizes, origin = operands
         local = _local_sizes(sizes // BLOCK_SIZE, origin[0], a_codes.shape[0])
@@ -218,7 +218,7 @@ def _tokens_bf16(handler: bool) -> Callable:
             local * BLOCK_SIZE,
             _alpha(a_amax, b_amax),
             dtype,
-            handler=handler,
+            kernel=kernel,
         )
 
     return body
@@ -267,14 +267,16 @@ def _tokens_native(*operands, dtype):
 _BODIES = {
     "rows": {
         "per_group": _rows_per_group,
-        "bf16_handler": _rows_bf16(handler=True),
-        "xla_ragged": _rows_bf16(handler=False),
+        "engine": _rows_bf16("engine"),
+        "bf16_handler": _rows_bf16("mma"),
+        "xla_ragged": _rows_bf16("xla"),
         "native_fp4": _rows_native,
     },
     "tokens": {
         "per_group": _tokens_per_group,
-        "bf16_handler": _tokens_bf16(handler=True),
-        "xla_ragged": _tokens_bf16(handler=False),
+        "engine": _tokens_bf16("engine"),
+        "bf16_handler": _tokens_bf16("mma"),
+        "xla_ragged": _tokens_bf16("xla"),
         "native_fp4": _tokens_native,
     },
 }
@@ -295,8 +297,11 @@ def lowering_body(form: str, path: str) -> Callable:
 
 def _cuda(form: str) -> primitive.ChosenAtLowering:
     def choose(ctx, **params):
-        a, b = ctx.avals_in[0], ctx.avals_in[3]
-        return _BODIES[form][dispatch.grouped_path(ctx, decoded=_decoded(a, b))]
+        a, b, sizes = ctx.avals_in[0], ctx.avals_in[3], ctx.avals_in[6]
+        path = dispatch.grouped_path(
+            ctx, decoded=_decoded(a, b), groups=sizes.shape[0], n=b.shape[1]
+        )
+        return _BODIES[form][path]
 
     return primitive.ChosenAtLowering(choose)
 

@@ -41,12 +41,16 @@ TEST(RowsPlanRefusals) {
   CHECK_CONTAINS(engine::PlanGroupedRows(64, 64, 0, 256, 132, &p),
                  "groups, got 0");
   CHECK_CONTAINS(engine::PlanGroupedRows(64, 0, 2, 256, 132, &p), "empty");
+  CHECK_CONTAINS(engine::PlanGroupedRows(int64_t{1} << 31, 64, 2, 256, 132, &p),
+                 "2^31 rows");
+  CHECK_CONTAINS(engine::PlanGroupedRows(64, 64, 64, 1 << 26, 132, &p),
+                 "G * N");
 }
 
 TEST(TokensPlan) {
   engine::GroupedPlan p;
-  // WGRAD of moe_bench's gate: dW [8, 2048, 8192] over 4104 items.
-  CHECK_EQ(engine::PlanGroupedTokens(4104, 2048, 8192, 8, 132, &p),
+  // WGRAD of moe_bench's gate: dW [8, 2048, 8192] over 1026 lines.
+  CHECK_EQ(engine::PlanGroupedTokens(1026, 2048, 8192, 8, 132, &p),
            std::string());
   CHECK_EQ(p.tiles_bound, 8 * 16 * 32);
   CHECK_EQ(p.grid, 132);
@@ -56,6 +60,8 @@ TEST(TokensPlan) {
   CHECK_CONTAINS(engine::PlanGroupedTokens(10, 64, 7, 2, 132, &p), "N even");
   CHECK_CONTAINS(engine::PlanGroupedTokens(10, 64, 64, 100, 132, &p),
                  "1 to 64 groups");
+  CHECK_CONTAINS(engine::PlanGroupedTokens(1 << 25, 64, 64, 2, 132, &p),
+                 "2^31 tokens");
 }
 
 }  // namespace

@@ -123,4 +123,29 @@ TEST(TokensTilesCoverEveryGroupsOutputsOnceLongestFirst) {
   }
 }
 
+TEST(ClampedSizesKeepEveryGroupInsideTheBuffer) {
+  const std::vector<std::pair<std::vector<int>, int>> cases = {
+      {{40, 24, 0, 32}, 1 << 20},  // fits: unchanged
+      {{40, 24, 0, 32}, 96},       // the last group cut to what is left
+      {{-3, 2000000000, 2000000000, 7}, 4096},  // negative, overflowing
+      {{17, 17}, 40},  // the second group's padding cut off
+      {{5}, 0},        // no buffer at all
+  };
+  for (const auto& [read, capacity] : cases) {
+    const int groups = static_cast<int>(read.size());
+    std::vector<int> sizes(groups);
+    engine::ClampedSizes(read.data(), groups, capacity, sizes.data());
+    int64_t end = 0;  // the padded rows of the groups so far
+    for (int g = 0; g < groups; ++g) {
+      CHECK(sizes[g] >= 0);
+      CHECK(sizes[g] <= std::max(read[g], 0));
+      CHECK(end + sizes[g] <= capacity);  // the group's rows are inside
+      if (end + engine::PaddedSize(std::max(read[g], 0)) <= capacity) {
+        CHECK_EQ(sizes[g], std::max(read[g], 0));  // what fits is kept
+      }
+      end = std::min<int64_t>(end + engine::PaddedSize(sizes[g]), capacity);
+    }
+  }
+}
+
 }  // namespace

@@ -319,6 +319,29 @@ def test_lowering_body_names_its_choices():
 BOTH = frozenset({bf16_grouped_gemm.TARGET, fp4_gemm.TARGET, fp4_grouped_gemm.TARGET})
 
 
+ENGINE = BOTH | {bf16_grouped_gemm.ENGINE_TARGET}
+
+
+def test_grouped_path_picks_the_engine_on_hopper_for_the_shapes_it_serves(
+    monkeypatch,
+):
+    monkeypatch.setattr(library, "registered_targets", lambda: {"cuda": ENGINE})
+    hopper, h20 = fake_device("gpu", "9.0"), fake_device("gpu", "9.0")
+    path = dispatch.grouped_path
+    assert path([hopper], groups=8, n=2048) == "engine"
+    assert path([hopper, h20], groups=64, n=2) == "engine"
+    assert path([hopper], groups=65, n=2048) == "bf16_handler"  # too many groups
+    assert path([hopper], groups=8, n=2047) == "xla_ragged"  # no handler: N odd
+    assert path([hopper]) == "bf16_handler"  # shapes unknown
+    assert path([fake_device("gpu", "8.0")], groups=8, n=64) == "bf16_handler"
+    assert path([fake_device("gpu", "10.0")], groups=8, n=64) == "native_fp4"
+    assert path([hopper, fake_device("gpu", "8.0")], groups=8, n=64) == "bf16_handler"
+    with config.override(gemm_engine=False):
+        assert path([hopper], groups=8, n=2048) == "bf16_handler"
+    with config.override(grouped_gemm=False):
+        assert path([hopper], groups=8, n=2048) == "xla_ragged"
+
+
 def test_grouped_path_by_capability_registration_switch_and_operands(monkeypatch):
     registered = {"cuda": BOTH}
     monkeypatch.setattr(library, "registered_targets", lambda: registered)
@@ -370,7 +393,8 @@ def test_cuda_lowering_calls_the_chosen_gemm(form, monkeypatch):
     """Lowered for "cuda", each form becomes the custom call of the path the
     dispatcher picks for the devices: one grouped FP4 launch on Blackwell,
     one bf16 grouped launch on Hopper (and for decoded operands on
-    Blackwell), none where XLA's ragged_dot_general runs."""
+    Blackwell), the engine's on Hopper where it is built, none where XLA's
+    ragged_dot_general runs."""
     registered = {"cuda": BOTH}
     monkeypatch.setattr(library, "registered_targets", lambda: registered)
     gpus = [fake_device("gpu", "10.0")]
@@ -385,6 +409,10 @@ def test_cuda_lowering_calls_the_chosen_gemm(form, monkeypatch):
     assert _targets(_custom_calls(fn, decoded)) == [bf16_grouped_gemm.TARGET]
     gpus[0] = fake_device("gpu", "9.0")
     assert _targets(_custom_calls(fn, args)) == [bf16_grouped_gemm.TARGET]
+    registered["cuda"] = ENGINE
+    assert _targets(_custom_calls(fn, args)) == [bf16_grouped_gemm.ENGINE_TARGET]
+    with config.override(gemm_engine=False):
+        assert _targets(_custom_calls(fn, args)) == [bf16_grouped_gemm.TARGET]
     with config.override(grouped_gemm=False):
         assert _custom_calls(fn, args) == []
     registered["cuda"] = frozenset()

@@ -35,7 +35,8 @@ inline std::string CheckGroups(int64_t groups, const char* form) {
 }
 
 // Rows form: a [rows, k] by b [groups, n, k] -> [rows, n]. Empty on
-// success; otherwise what the caller must change.
+// success; otherwise what the caller must change. The kernels index rows,
+// columns and TMA coordinates with 32-bit integers.
 inline std::string PlanGroupedRows(int64_t rows, int64_t k, int64_t groups,
                                    int64_t n, int sms, GroupedPlan* p) {
   std::string error = CheckGroups(groups, "rows");
@@ -46,6 +47,10 @@ inline std::string PlanGroupedRows(int64_t rows, int64_t k, int64_t groups,
            "row pitch) and N even, got K = " +
            std::to_string(k) + ", N = " + std::to_string(n);
   }
+  if (rows >= (int64_t{1} << 31) || groups * n >= (int64_t{1} << 31)) {
+    return "grouped GEMM engine (rows): fewer than 2^31 rows and G * N "
+           "weight rows";
+  }
   // Each group's row blocks: at most rows / 128 + one partial per group.
   p->tiles_bound = (CeilDiv64(rows, kEngineBlockRows) + groups) *
                    CeilDiv64(n, kEngineBlockCols);
@@ -54,12 +59,17 @@ inline std::string PlanGroupedRows(int64_t rows, int64_t k, int64_t groups,
   return "";
 }
 
-// Tokens form: a [items, m, 16] by b [items, n, 16] -> [groups, m, n].
-inline std::string PlanGroupedTokens(int64_t items, int64_t m, int64_t n,
+// Tokens form: a [lines, m, 64] by b [lines, n, 64] (64 tokens per line)
+// -> [groups, m, n].
+inline std::string PlanGroupedTokens(int64_t lines, int64_t m, int64_t n,
                                      int64_t groups, int sms, GroupedPlan* p) {
   std::string error = CheckGroups(groups, "tokens");
   if (!error.empty()) return error;
-  if (items < 0 || m <= 0 || n <= 0) return "grouped GEMM engine: empty shape";
+  if (lines < 0 || m <= 0 || n <= 0) return "grouped GEMM engine: empty shape";
+  if (lines * 64 >= (int64_t{1} << 31) || m >= (int64_t{1} << 31) ||
+      n >= (int64_t{1} << 31)) {
+    return "grouped GEMM engine (tokens): fewer than 2^31 tokens, M and N";
+  }
   if (n % 2 != 0) {
     return "grouped GEMM engine (tokens): N even, got N = " + std::to_string(n);
   }

@@ -11,10 +11,8 @@
 // grouped_tiles.h, built by each CTA from the group sizes it reads on the
 // device (no host sync). Shapes as grouped_plan.h checks them: K a
 // multiple of 8 (TMA's 16-byte row pitch; its tail is zero-filled), N even,
-// at most kMaxGroups groups.
-//
-// A standalone prototype: tools/engine_check.cu runs it against a reference
-// kernel; it is not yet a handler of the extension.
+// at most kMaxGroups groups. Group sizes past the buffer's `rows` read zeros
+// and store nothing there.
 #ifndef JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_ROWS_CUH_
 #define JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_ROWS_CUH_
 
@@ -41,15 +39,16 @@ static_assert(GroupedRowsShape::Ring::kSharedBytes == kEngineSharedBytes &&
                   GroupedRowsShape::kMaxGroups == kEngineMaxGroups,
               "grouped_plan.h plans with these");
 
-// a: map of the token buffer [rows, K]; b: map of the weights [G * N, K]
-// (both bf16, K-major, boxes of kBlockK x kBlockRows / kBlockCols, 128-byte
-// swizzle).
+// a: map of the token buffer [rows, K] (rows: its row count); b: map of the
+// weights [G * N, K] (both bf16, K-major, boxes of kBlockK x kBlockRows /
+// kBlockCols, 128-byte swizzle).
 template <typename Out>
 __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
     GroupedRowsKernel(const __grid_constant__ CUtensorMap a,
                       const __grid_constant__ CUtensorMap b,
                       const int* group_sizes, const float* alpha, Out* out,
-                      int groups, int n, int k) {
+                      int groups, int rows, int n, int k) {
+#if JAX_NVFP4_ENGINE_ARCH
   using S = GroupedRowsShape;
   extern __shared__ __align__(1024) uint8_t shared_raw[];
   S::Ring ring(shared_raw);
@@ -59,7 +58,7 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
   const int col_tiles = CeilDiv(n, S::kBlockCols);
   const int k_steps = CeilDiv(k, S::kBlockK);  // TMA zero-fills K's tail
   if (threadIdx.x == 0) {
-    for (int g = 0; g < groups; ++g) sizes[g] = group_sizes[g];
+    ClampedSizes(group_sizes, groups, rows, sizes);
     total = RowsTiles(sizes, groups, S::kBlockRows, col_tiles, start, tile_end);
     ring.Init();
   }
@@ -107,6 +106,7 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
     StoreTile(acc, alpha[tile.group], out + int64_t{tile.row} * n, n, tile.rows,
               tile.col, n, half, thread);
   }
+#endif  // JAX_NVFP4_ENGINE_ARCH
 }
 
 }  // namespace engine

@@ -16,11 +16,12 @@
 // tiles together (the group's weight stays in L2 while its row blocks
 // pass). Empty groups have no tiles.
 //
-// Tokens form (WGRAD): out[g] [M, N] summed over group g's tokens, 16 per
-// item. Every group has the same M x N tiles, each looping over the
-// group's items [item_begin, item_end) (none for an empty group: the tile
-// writes zeros). Groups run longest first (then by index), so the longest
-// loops start first and the grid's tail is short.
+// Tokens form (WGRAD): out[g] [M, N] summed over group g's tokens, in
+// items of 16 tokens (or of another granule: the engine's 64-token lines).
+// Every group has the same M x N tiles, each looping over the group's items
+// [item_begin, item_end) (none for an empty group: the tile writes zeros).
+// Groups run longest first (then by index), so the longest loops start first
+// and the grid's tail is short.
 #ifndef JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_TILES_H_
 #define JAX_NVFP4_FFI_GEMM_ENGINE_GROUPED_TILES_H_
 
@@ -37,8 +38,26 @@ constexpr int kItemRows = 16;  // tokens per item; groups start on items
 
 GROUPED_TILES_HD int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 
-GROUPED_TILES_HD int PaddedSize(int size) {
-  return CeilDiv(size, kItemRows) * kItemRows;
+// A group's rows (tokens) rounded up to whole items of `granule`.
+GROUPED_TILES_HD int PaddedSize(int size, int granule = kItemRows) {
+  return CeilDiv(size, granule) * granule;
+}
+
+// The group sizes as the tiles use them, from the ones read on the device:
+// negative sizes count as 0, and the groups are cut off where their rows,
+// padded to `granule`, would pass `capacity` (the buffer's rows or tokens),
+// so that every tile stays inside the buffer and no sum overflows, whatever
+// the sizes.
+GROUPED_TILES_HD void ClampedSizes(const int* read, int groups, int capacity,
+                                   int* sizes, int granule = kItemRows) {
+  int left = capacity;
+  for (int g = 0; g < groups; ++g) {
+    int size = read[g] > 0 ? read[g] : 0;
+    size = size < left ? size : left;
+    sizes[g] = size;
+    const int padded = PaddedSize(size, granule);
+    left -= padded < left ? padded : left;
+  }
 }
 
 struct RowsTile {
@@ -104,16 +123,18 @@ GROUPED_TILES_HD RowsTile RowsTileAt(int t, const int* sizes, const int* start,
   return tile;
 }
 
-// The tokens form's tables: item_begin[g] (the group's first item) and
-// order[] (the groups longest first, ties by index: a stable insertion
-// sort, as G is small).
+// The tokens form's tables: item_begin[g] (the group's first item, each
+// group starting on a whole item of `granule` tokens) and order[] (the
+// groups longest first, ties by index: a stable insertion sort, as G is
+// small).
 GROUPED_TILES_HD void TokensTables(const int* sizes, int groups,
-                                   int* item_begin, int* order) {
+                                   int* item_begin, int* order,
+                                   int granule = kItemRows) {
   int item = 0;
   for (int g = 0; g < groups; ++g) {
     const int size = sizes[g] > 0 ? sizes[g] : 0;
     item_begin[g] = item;
-    item += PaddedSize(size) / kItemRows;
+    item += PaddedSize(size, granule) / granule;
     int i = g;
     while (i > 0 &&
            (sizes[order[i - 1]] > 0 ? sizes[order[i - 1]] : 0) < size) {
@@ -124,12 +145,13 @@ GROUPED_TILES_HD void TokensTables(const int* sizes, int groups,
   }
 }
 
-// Tile t (0 <= t < groups * m_tiles * n_tiles) of the tokens form.
+// Tile t (0 <= t < groups * m_tiles * n_tiles) of the tokens form, items
+// of `granule` tokens as in TokensTables.
 GROUPED_TILES_HD TokensTile TokensTileAt(int t, const int* sizes,
                                          const int* item_begin,
                                          const int* order, int block_m,
-                                         int block_n, int m_tiles,
-                                         int n_tiles) {
+                                         int block_n, int m_tiles, int n_tiles,
+                                         int granule = kItemRows) {
   const int per_group = m_tiles * n_tiles;
   const int g = order[t / per_group];
   const int local = t % per_group;
@@ -139,7 +161,7 @@ GROUPED_TILES_HD TokensTile TokensTileAt(int t, const int* sizes,
   tile.m = (local / n_tiles) * block_m;
   tile.n = (local % n_tiles) * block_n;
   tile.item_begin = item_begin[g];
-  tile.item_end = item_begin[g] + PaddedSize(size) / kItemRows;
+  tile.item_end = item_begin[g] + PaddedSize(size, granule) / granule;
   return tile;
 }
 

@@ -11,6 +11,15 @@
 
 #include <cstdint>
 
+// Whether this compilation pass emits the engine's kernels: sm_90a only
+// (wgmma exists on no other target). Elsewhere their bodies are empty and
+// the handler never launches them (it checks the device first).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAX_NVFP4_ENGINE_ARCH 1
+#else
+#define JAX_NVFP4_ENGINE_ARCH 0
+#endif
+
 namespace jax_nvfp4 {
 namespace engine {
 

@@ -1,0 +1,209 @@
+// ragged_dot's grouped GEMM on the Hopper engine (sm_90a): FFI target
+// "jax_nvfp4_grouped_gemm_sm90", the contract of jax_nvfp4_grouped_gemm_bf16
+// (ffi/gemm/mma/bf16_grouped_gemm.cu) on wgmma and TMA kernels:
+//
+//   rows   (FPROP, DGRAD): a [R, L], b [G, N, L] -> out [R, N]
+//          (grouped_rows.cuh); rows outside every group are not written.
+//   tokens (WGRAD): a [lines, M, 64], b [lines, N, 64] -> out [G, M, N]
+//          (grouped_tokens.cuh): 64 tokens per line, four 16-token items;
+//          empty groups give zeros.
+//
+// sizes [G] (the groups' rows or tokens in the token buffer, multiples of
+// 16) are read on the device; the launch needs no host synchronization and
+// is safe to record into CUDA graphs. The tensor maps are encoded on the
+// host per call and passed by value. Python picks this target only on
+// compute capability 9.0 and for shapes grouped_plan.h accepts; the checks
+// here keep a malformed call from reading or writing out of bounds.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "bindings.h"
+#include "checks.h"
+#include "cuda/launch.cuh"
+#include "gemm/engine/grouped_plan.h"
+#include "gemm/engine/grouped_rows.cuh"
+#include "gemm/engine/grouped_tokens.cuh"
+#include "gemm/engine/tensor_map.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_nvfp4 {
+namespace {
+
+using engine::GroupedRowsShape;
+using engine::GroupedTokensShape;
+
+// The current device's SM count, or 0 if it is not compute capability 9.0
+// (the only GPU the sm_90a kernels run on).
+int HopperSms() {
+  int device = 0, major = 0, minor = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                             device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
+                             device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
+          cudaSuccess) {
+    return 0;
+  }
+  return major == 9 && minor == 0 ? sms : 0;
+}
+
+template <typename Kernel>
+ffi::Error Prepared(Kernel kernel, int64_t shared_bytes) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(shared_bytes)) != cudaSuccess) {
+    return LaunchError("grouped_gemm_sm90 (shared memory)");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename Out>
+ffi::Error LaunchRows(cudaStream_t stream, const CUtensorMap& a,
+                      const CUtensorMap& b, const engine::GroupedPlan& plan,
+                      const int32_t* sizes, const float* alpha, void* out,
+                      int groups, int rows, int n, int k) {
+  const auto kernel = engine::GroupedRowsKernel<Out>;
+  if (ffi::Error e = Prepared(kernel, plan.shared_bytes); e.failure()) return e;
+  kernel<<<static_cast<unsigned>(plan.grid), GroupedRowsShape::kThreads,
+           plan.shared_bytes, stream>>>(
+      a, b, sizes, alpha, static_cast<Out*>(out), groups, rows, n, k);
+  return LaunchError("grouped_gemm_sm90 (rows)");
+}
+
+template <typename Out>
+ffi::Error LaunchTokens(cudaStream_t stream, const CUtensorMap& a,
+                        const CUtensorMap& b, const engine::GroupedPlan& plan,
+                        const int32_t* sizes, const float* alpha, void* out,
+                        int groups, int lines, int m, int n) {
+  const auto kernel = engine::GroupedTokensKernel<Out>;
+  if (ffi::Error e = Prepared(kernel, plan.shared_bytes); e.failure()) return e;
+  kernel<<<static_cast<unsigned>(plan.grid), GroupedTokensShape::kThreads,
+           plan.shared_bytes, stream>>>(
+      a, b, sizes, alpha, static_cast<Out*>(out), groups, lines, m, n);
+  return LaunchError("grouped_gemm_sm90 (tokens)");
+}
+
+// launch(Out{}) for the output type `type`: bf16, f16 or f32.
+template <typename Launch>
+ffi::Error ByOutputType(ffi::DataType type, Launch launch) {
+  switch (type) {
+    case ffi::DataType::BF16:
+      return launch(__nv_bfloat16{});
+    case ffi::DataType::F16:
+      return launch(__half{});
+    case ffi::DataType::F32:
+      return launch(float{});
+    default:
+      return InvalidArgument(
+          "grouped_gemm_sm90: the output must be bfloat16, float16 or "
+          "float32");
+  }
+}
+
+ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
+                               ffi::Buffer<ffi::BF16> b,
+                               ffi::Buffer<ffi::S32> sizes,
+                               ffi::Buffer<ffi::F32> alpha,
+                               ffi::Result<ffi::AnyBuffer> out, bool tokens) {
+  const auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
+  const int64_t groups = sizes.element_count();
+  if (alpha.element_count() != groups) {
+    return InvalidArgument("grouped_gemm_sm90: sizes and alpha must be [G]");
+  }
+  const int sms = HopperSms();
+  if (sms == 0) {
+    return InvalidArgument(
+        "grouped_gemm_sm90 runs on compute capability 9.0 GPUs only (the "
+        "dispatcher picks another grouped GEMM elsewhere)");
+  }
+  if (!IsAligned(a.typed_data(), 16) || !IsAligned(b.typed_data(), 16) ||
+      !IsAligned(out->untyped_data(), 8)) {
+    return InvalidArgument("grouped_gemm_sm90 needs 16-byte aligned operands");
+  }
+  engine::GroupedPlan plan;
+  CUtensorMap map_a, map_b;
+  if (!tokens) {
+    if (ad.size() != 2 || bd.size() != 3 || od.size() != 2 || bd[0] != groups ||
+        bd[2] != ad[1] || od[0] != ad[0] || od[1] != bd[1]) {
+      return InvalidArgument(
+          "grouped_gemm_sm90 (rows) expects a [R, L], b [G, N, L], out [R, N]");
+    }
+    const int64_t rows = ad[0], k = ad[1], n = bd[1];
+    const std::string error =
+        engine::PlanGroupedRows(rows, k, groups, n, sms, &plan);
+    if (!error.empty()) return InvalidArgument(error);
+    if (out->element_count() == 0) return ffi::Error::Success();
+    const uint64_t dims_a[] = {uint64_t(k), uint64_t(rows)};
+    const uint64_t dims_b[] = {uint64_t(k), uint64_t(groups * n)};
+    const uint32_t box_a[] = {GroupedRowsShape::kBlockK,
+                              GroupedRowsShape::kBlockRows};
+    const uint32_t box_b[] = {GroupedRowsShape::kBlockK,
+                              GroupedRowsShape::kBlockCols};
+    if (!engine::Bf16TensorMap(a.typed_data(), 2, dims_a, box_a,
+                               CU_TENSOR_MAP_SWIZZLE_128B, &map_a) ||
+        !engine::Bf16TensorMap(b.typed_data(), 2, dims_b, box_b,
+                               CU_TENSOR_MAP_SWIZZLE_128B, &map_b)) {
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        "jax_nvfp4: grouped_gemm_sm90 could not encode its "
+                        "tensor maps (a CUDA driver of 12.0 or newer?)");
+    }
+    return ByOutputType(out->element_type(), [&](auto zero) {
+      return LaunchRows<decltype(zero)>(
+          stream, map_a, map_b, plan, sizes.typed_data(), alpha.typed_data(),
+          out->untyped_data(), int(groups), int(rows), int(n), int(k));
+    });
+  }
+  const int64_t line = GroupedTokensShape::kLineTokens;
+  if (ad.size() != 3 || bd.size() != 3 || od.size() != 3 || ad[2] != line ||
+      bd[2] != line || ad[0] != bd[0] || od[0] != groups || od[1] != ad[1] ||
+      od[2] != bd[1]) {
+    return InvalidArgument(
+        "grouped_gemm_sm90 (tokens) expects a [lines, M, 64], b [lines, N, "
+        "64], out [G, M, N]");
+  }
+  const int64_t lines = ad[0], m = ad[1], n = bd[1];
+  const std::string error =
+      engine::PlanGroupedTokens(lines, m, n, groups, sms, &plan);
+  if (!error.empty()) return InvalidArgument(error);
+  if (out->element_count() == 0) return ffi::Error::Success();
+  if (lines == 0) {  // no tokens: every group is empty
+    if (cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream) !=
+        cudaSuccess) {
+      return LaunchError("grouped_gemm_sm90 (zeros)");
+    }
+    return ffi::Error::Success();
+  }
+  const uint64_t dims_a[] = {uint64_t(line), uint64_t(m), uint64_t(lines)};
+  const uint64_t dims_b[] = {uint64_t(line), uint64_t(n), uint64_t(lines)};
+  const uint32_t box_a[] = {uint32_t(line), GroupedTokensShape::kBlockM, 1};
+  const uint32_t box_b[] = {uint32_t(line), GroupedTokensShape::kBlockN, 1};
+  if (!engine::Bf16TensorMap(a.typed_data(), 3, dims_a, box_a,
+                             CU_TENSOR_MAP_SWIZZLE_128B, &map_a) ||
+      !engine::Bf16TensorMap(b.typed_data(), 3, dims_b, box_b,
+                             CU_TENSOR_MAP_SWIZZLE_128B, &map_b)) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "jax_nvfp4: grouped_gemm_sm90 could not encode its "
+                      "tensor maps (a CUDA driver of 12.0 or newer?)");
+  }
+  return ByOutputType(out->element_type(), [&](auto zero) {
+    return LaunchTokens<decltype(zero)>(
+        stream, map_a, map_b, plan, sizes.typed_data(), alpha.typed_data(),
+        out->untyped_data(), int(groups), int(lines), int(m), int(n));
+  });
+}
+
+}  // namespace
+}  // namespace jax_nvfp4
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4GroupedGemmSm90Cuda, jax_nvfp4::GroupedGemmSm90Cuda,
+    jax_nvfp4::GroupedGemmSm90Binding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
