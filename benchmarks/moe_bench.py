@@ -10,7 +10,11 @@ up(r)) over the sorted rows r and its vjp with a random cotangent. Rows:
   bf16 ragged_dot      the three projections by jax.lax.ragged_dot, bf16
   nvfp4 ragged_dot     the same by jax_nvfp4.ragged_dot (the full recipe:
                        RHT, stochastic rounding, 16x16 weight tiles), its
-                       grouped GEMM by the CUDA handler
+                       grouped GEMM as the dispatcher picks it (on Hopper,
+                       the wgmma engine)
+  nvfp4 NO_SR          the same without stochastic rounding (NVFP4_NO_SR)
+  nvfp4, mma grouped   the full recipe with JAX_NVFP4_GEMM_ENGINE=0: the
+                       mma.sync handler
   nvfp4, XLA grouped   the same with JAX_NVFP4_GROUPED_GEMM=0: XLA's
                        ragged_dot_general on the decoded operands
   bf16 tokamax mosaic  the bf16 step by tokamax's ragged_dot (Google's
@@ -28,10 +32,11 @@ ratio to bf16 ragged_dot is taken within each round. TFLOP/s count the
 useful FLOPs (2 x rows x d x ffn per GEMM, 9 GEMMs).
 
 --kernels also times each grouped GEMM form of the first projection alone
-(the handler's rows form, x [rows, d] by w [G, ffn, d]; its tokens form, the
-WGRAD of the same; tokamax's Mosaic forward where it imports) against XLA's
-dense batched GEMM of the same FLOPs. The last line compares the NVFP4 step
-with the fastest bf16 grouped step of the run.
+(the rows form, x [rows, d] by w [G, ffn, d]; the tokens form, the WGRAD of
+the same, by the engine with and without regrouping its operands into lines
+and by the mma.sync handler; tokamax's Mosaic forward where it imports)
+against XLA's dense batched GEMM of the same FLOPs. The last lines compare
+the NVFP4 steps with the fastest bf16 grouped step of the run.
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ def tokamax_ragged_dot():
 def kernel_operands(rows, wg, sizes):
     """Decoded-operand stand-ins of the first projection's GEMMs: bf16 rows
     [R, d] (R the token buffer's rows, groups padded to 16), w [G, ffn, d]; the WGRAD
-    operands as items of 16 tokens [R / 16, d or ffn, 16]."""
+    operands as items of 16 tokens [R / 16, d or ffn, 16], and those in the
+    engine's lines of 64 tokens."""
     count, d, ffn = wg.shape
     padded = (sizes + 15) // 16 * 16
     buffer_rows = token_buffer.buffer_rows(rows.shape[0], count)
@@ -93,7 +99,9 @@ def kernel_operands(rows, wg, sizes):
     items = buffer_rows // 16
     ta = a.reshape(items, 16, d).swapaxes(1, 2)
     tb = jnp.ones((items, ffn, 16), jnp.bfloat16)
-    return a, b, padded, jnp.ones(count, jnp.float32), ta, tb
+    la = bf16_grouped_gemm.token_lines(ta, padded)
+    lb = bf16_grouped_gemm.token_lines(tb, padded)
+    return a, b, padded, jnp.ones(count, jnp.float32), ta, tb, la, lb
 
 
 def kernel_steps(rows, wg, sizes, dense_product, tokamax_dot=None):
@@ -101,23 +109,39 @@ def kernel_steps(rows, wg, sizes, dense_product, tokamax_dot=None):
     (its rows form) where it imports, and a dense batched GEMM of the same
     FLOPs."""
 
-    def rows_form(a, b, s, alpha, ta, tb):
-        return bf16_grouped_gemm.rows(a, b, s, alpha, jnp.bfloat16, handler=True)
+    def rows_form(kernel):
+        def form(a, b, s, alpha, ta, tb, la, lb):
+            return bf16_grouped_gemm.rows(a, b, s, alpha, jnp.bfloat16, kernel=kernel)
 
-    def tokens_form(a, b, s, alpha, ta, tb):
-        return bf16_grouped_gemm.tokens(ta, tb, s, alpha, jnp.float32, handler=True)
+        return jax.jit(form)
 
-    def dense_form(a, b, s, alpha, ta, tb):
+    def tokens_form(kernel):
+        def form(a, b, s, alpha, ta, tb, la, lb):
+            return bf16_grouped_gemm.tokens(
+                ta, tb, s, alpha, jnp.float32, kernel=kernel
+            )
+
+        return jax.jit(form)
+
+    def lines_form(a, b, s, alpha, ta, tb, la, lb):
+        return bf16_grouped_gemm.tokens_on_lines(la, lb, s, alpha, jnp.float32)
+
+    def dense_form(a, b, s, alpha, ta, tb, la, lb):
         return dense_product(a[: rows.shape[0]], jnp.swapaxes(b, 1, 2), None)
 
-    steps = {
-        "rows form (handler)": jax.jit(rows_form),
-        "tokens form (handler)": jax.jit(tokens_form),
-        "dense form (XLA)": jax.jit(dense_form),
-    }
+    steps = {}
+    count, _, ffn = wg.shape
+    if bf16_grouped_gemm.engine_supported(groups=count, n=ffn):
+        steps["rows form (engine)"] = rows_form("engine")
+        steps["tokens form (engine)"] = tokens_form("engine")
+        steps["tokens form (engine, lines)"] = jax.jit(lines_form)
+    if bf16_grouped_gemm.handler_supported():
+        steps["rows form (mma)"] = rows_form("mma")
+        steps["tokens form (mma)"] = tokens_form("mma")
+    steps["dense form (XLA)"] = jax.jit(dense_form)
     if tokamax_dot is not None:
 
-        def tokamax_rows(a, b, s, alpha, ta, tb):
+        def tokamax_rows(a, b, s, alpha, ta, tb, la, lb):
             return tokamax_dot(rows, wg, sizes, implementation="mosaic")
 
         steps["rows form (tokamax mosaic)"] = jax.jit(tokamax_rows)
@@ -157,9 +181,12 @@ def main(argv=None):
     def bf16_product(x, w, _):
         return jax.lax.ragged_dot(x, w, sizes)
 
-    def nvfp4_product(x, w, name):
+    def nvfp4_product(x, w, name, recipe=nv.NVFP4):
         key = jax.random.fold_in(step_key, ("gate", "up", "down").index(name))
-        return nv.ragged_dot(x, w, sizes, key=key)
+        return nv.ragged_dot(x, w, sizes, key=key, recipe=recipe)
+
+    def nvfp4_no_sr_product(x, w, name):
+        return nvfp4_product(x, w, name, nv.NVFP4_NO_SR)
 
     per = rows_n // e  # the dense baseline: every expert the mean row count
 
@@ -170,7 +197,13 @@ def main(argv=None):
     steps = {
         "bf16 ragged_dot": jax.jit(swiglu(bf16_product)),
         "nvfp4 ragged_dot": jax.jit(swiglu(nvfp4_product)),
+        "nvfp4 NO_SR": jax.jit(swiglu(nvfp4_no_sr_product)),
+        "nvfp4, mma grouped": jax.jit(swiglu(nvfp4_product)),
         "nvfp4, XLA grouped": jax.jit(swiglu(nvfp4_product)),
+    }
+    settings = {
+        "nvfp4, mma grouped": {"gemm_engine": False},
+        "nvfp4, XLA grouped": {"grouped_gemm": False},
     }
     tokamax_dot, why = tokamax_ragged_dot()
     if tokamax_dot is None:
@@ -185,8 +218,10 @@ def main(argv=None):
     steps["bf16 dense batched"] = jax.jit(swiglu(dense_product))
     if not bf16_grouped_gemm.handler_supported():
         del steps["nvfp4, XLA grouped"]  # the same as "nvfp4 ragged_dot"
+    if not bf16_grouped_gemm.engine_supported(groups=e, n=ffn):
+        del steps["nvfp4, mma grouped"]  # the same as "nvfp4 ragged_dot"
     for name, fn in list(steps.items()):
-        with nv.config.override(grouped_gemm=name != "nvfp4, XLA grouped"):
+        with nv.config.override(**settings.get(name, {})):
             try:
                 steps[name] = fn.lower(*operands).compile()
             except Exception as err:  # noqa: BLE001 - a baseline that cannot run
@@ -223,13 +258,12 @@ def main(argv=None):
         )
     grouped = [n for n in times if n.startswith("bf16") and "dense" not in n]
     fastest = min(grouped, key=lambda n: statistics.median(times[n]))
-    ratios = [
-        t / f for t, f in zip(times["nvfp4 ragged_dot"], times[fastest], strict=True)
-    ]
-    print(
-        f"nvfp4 ragged_dot vs the fastest bf16 grouped step ({fastest}): "
-        f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}..{max(ratios):.3f})"
-    )
+    for name in ("nvfp4 ragged_dot", "nvfp4 NO_SR"):
+        ratios = [t / f for t, f in zip(times[name], times[fastest], strict=True)]
+        print(
+            f"{name} vs the fastest bf16 grouped step ({fastest}): "
+            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}..{max(ratios):.3f})"
+        )
     if args.out:
         write_json(args.out, {"args": vars(args), "ms": times})
 

@@ -58,6 +58,7 @@ __all__ = [
     "rows",
     "token_lines",
     "tokens",
+    "tokens_on_lines",
 ]
 
 TARGET = "jax_nvfp4_grouped_gemm_bf16"
@@ -188,7 +189,7 @@ def tokens(
     shape = (sizes.shape[0], a.shape[1], b.shape[1])
     if _checked_kernel(kernel) == "engine":
         a, b = token_lines(a, sizes), token_lines(b, sizes)
-        return _call(ENGINE_TARGET, a, b, sizes, alpha, shape, dtype, tokens_form=True)
+        return tokens_on_lines(a, b, sizes, alpha, dtype)
     if kernel == "mma":
         return _call(TARGET, a, b, sizes, alpha, shape, dtype, tokens_form=True)
     acc = lax.ragged_dot_general(
@@ -199,3 +200,12 @@ def tokens(
         preferred_element_type=jnp.float32,
     )
     return (acc * alpha[:, None, None]).astype(dtype)
+
+
+def tokens_on_lines(
+    a: jax.Array, b: jax.Array, sizes: jax.Array, alpha: jax.Array, dtype: Any
+) -> jax.Array:
+    """``tokens`` by the engine on operands already in lines
+    (``token_lines``): a [lines, M, 64], b [lines, N, 64] -> [G, M, N]."""
+    shape = (sizes.shape[0], a.shape[1], b.shape[1])
+    return _call(ENGINE_TARGET, a, b, sizes, alpha, shape, dtype, tokens_form=True)
