@@ -153,16 +153,14 @@ static void Rows(const std::vector<int>& sizes, int n, int k, bool check,
   const int groups = int(sizes.size());
   long rows = 0, tokens = 0;
   std::vector<int> row_group;
+  // Groups are plain runs of rows, then 16 rows past them.
   for (int g = 0; g < groups; ++g) {
-    const int padded = engine::PaddedSize(sizes[g]);
-    for (int i = 0; i < padded; ++i) row_group.push_back(i < sizes[g] ? g : -1);
-    rows += padded;
+    for (int i = 0; i < sizes[g]; ++i) row_group.push_back(g);
+    rows += sizes[g];
     tokens += sizes[g];
   }
-  if (rows == 0) {
-    rows = 16;
-    row_group.assign(16, -1);
-  }
+  row_group.insert(row_group.end(), 16, -1);
+  rows += 16;
   __nv_bfloat16* a = Upload(SmallIntegers(size_t(rows) * k, int(rows + k)));
   __nv_bfloat16* b = Upload(SmallIntegers(size_t(groups) * n * k, n + k));
   float* alpha = UploadOf(Alphas(groups));

@@ -84,6 +84,10 @@ TEST(RowsTilesStartGroupsAtPaddedOffsets) {
   CHECK_EQ(engine::GroupOfTile(1, tile_end.data(), 4), 0);
   CHECK_EQ(engine::GroupOfTile(2, tile_end.data(), 4), 2);  // 1 is empty
   CHECK_EQ(engine::GroupOfTile(5, tile_end.data(), 4), 3);
+  // Granule 1 (the engine's rows form): groups are plain runs of rows.
+  engine::RowsTiles(sizes.data(), 4, 128, 2, start.data(), tile_end.data(), 1);
+  CHECK_EQ(start, (std::vector<int>{0, 5, 5, 21}));
+  CHECK_EQ(tile_end, (std::vector<int>{2, 2, 4, 6}));
 }
 
 TEST(TokensTilesCoverEveryGroupsOutputsOnceLongestFirst) {

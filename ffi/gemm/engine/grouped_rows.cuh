@@ -58,8 +58,10 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
   const int col_tiles = CeilDiv(n, S::kBlockCols);
   const int k_steps = CeilDiv(k, S::kBlockK);  // TMA zero-fills K's tail
   if (threadIdx.x == 0) {
-    ClampedSizes(group_sizes, groups, rows, sizes);
-    total = RowsTiles(sizes, groups, S::kBlockRows, col_tiles, start, tile_end);
+    // Groups are plain runs of rows (granule 1), as the primitive's are.
+    ClampedSizes(group_sizes, groups, rows, sizes, 1);
+    total =
+        RowsTiles(sizes, groups, S::kBlockRows, col_tiles, start, tile_end, 1);
     ring.Init();
   }
   __syncthreads();
@@ -87,6 +89,7 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
     float acc[S::kBlockCols / 2];
 #pragma unroll
     for (int i = 0; i < S::kBlockCols / 2; ++i) acc[i] = 0.f;
+    int previous = -1;
     for (int i = 0; i < k_steps; ++i, ++slot) {
       const int s = ring.Take(slot);
       WgmmaFence();
@@ -98,9 +101,14 @@ __global__ void __launch_bounds__(GroupedRowsShape::kThreads, 1)
                         SwizzledOperand(ring.TileB(s) + step * 32), 1);
       }
       WgmmaCommit();
-      WgmmaWaitAll();
-      if (thread == 0) ring.Release(s);
+      // The previous stage's wgmma are done: its slot goes back to the
+      // producer while this stage's run.
+      WgmmaWait<1>();
+      if (thread == 0 && previous >= 0) ring.Release(previous);
+      previous = s;
     }
+    WgmmaWait<0>();
+    if (thread == 0 && previous >= 0) ring.Release(previous);
     // Only the group's rows, and only columns inside N (past it, B's rows
     // are the next group's).
     StoreTile(acc, alpha[tile.group], out + int64_t{tile.row} * n, n, tile.rows,

@@ -5,8 +5,10 @@
 // launch needs no host sync.
 //
 // The token buffer holds group g's rows at [start_g, start_g + size_g), with
-// start_g the sum of the sizes before g rounded up to 16 each (padded
-// sizes): so group starts are 16-row item boundaries.
+// start_g the sum of the sizes before g, each rounded up to a granule: 1 for
+// the rows form (the primitive's groups are plain runs of rows; ragged_dot's
+// sizes are multiples of 16 already), 16 tokens for the tokens form's items,
+// 64 for the engine's lines.
 //
 // Rows form (FPROP, DGRAD): out[r, n] for the buffer rows r of each group.
 // A tile is a block of `block_rows` rows of one group by `block_cols`
@@ -76,17 +78,18 @@ struct TokensTile {
 };
 
 // The rows form's tables from the group sizes (negative sizes count as 0):
-// start[g] (the group's first buffer row) and tile_end[g] (the tiles of
-// groups 0..g); returns the number of tiles.
+// start[g] (the group's first buffer row, groups from whole `granule`s)
+// and tile_end[g] (the tiles of groups 0..g); returns the number of tiles.
 GROUPED_TILES_HD int RowsTiles(const int* sizes, int groups, int block_rows,
-                               int col_tiles, int* start, int* tile_end) {
+                               int col_tiles, int* start, int* tile_end,
+                               int granule = kItemRows) {
   int row = 0, tiles = 0;
   for (int g = 0; g < groups; ++g) {
     const int size = sizes[g] > 0 ? sizes[g] : 0;
     start[g] = row;
     tiles += CeilDiv(size, block_rows) * col_tiles;
     tile_end[g] = tiles;
-    row += PaddedSize(size);
+    row += PaddedSize(size, granule);
   }
   return tiles;
 }

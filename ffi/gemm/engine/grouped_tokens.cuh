@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
     float acc[S::kBlockN / 2];
 #pragma unroll
     for (int i = 0; i < S::kBlockN / 2; ++i) acc[i] = 0.f;
+    int previous = -1;
     for (int line = tile.item_begin; line < tile.item_end; ++line, ++slot) {
       const int s = ring.Take(slot);
       // This warpgroup's 64 rows: 64 rows x 128 bytes further.
@@ -107,9 +108,14 @@ __global__ void __launch_bounds__(GroupedTokensShape::kThreads, 1)
                         SwizzledOperand(ring.TileB(s) + step * 32), 1);
       }
       WgmmaCommit();
-      WgmmaWaitAll();
-      if (thread == 0) ring.Release(s);
+      // The previous stage's wgmma are done: its slot goes back to the
+      // producer while this stage's run.
+      WgmmaWait<1>();
+      if (thread == 0 && previous >= 0) ring.Release(previous);
+      previous = s;
     }
+    WgmmaWait<0>();
+    if (thread == 0 && previous >= 0) ring.Release(previous);
     // An empty group's sums are zeros, written as zeros whatever its alpha.
     const float scale =
         tile.item_end > tile.item_begin ? alpha[tile.group] : 0.f;
