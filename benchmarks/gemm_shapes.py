@@ -13,7 +13,10 @@ same bf16 operands:
   xla TN    ``lax.dot_general`` of the same [M, K] and [N, K] operands (XLA's
             cuBLASLt call, autotuned, alpha = 1);
   xla       the product in the layout a bf16 model has (x [M, K] . w [K, N]
-            for FPROP, dy [T, N] . w^T for DGRAD, x^T . dy for WGRAD).
+            for FPROP, dy [T, N] . w^T for DGRAD, x^T . dy for WGRAD);
+  engine    the Hopper engine's grouped rows form with one group (the same
+            TN product, bf16 out), where it runs (compute capability 9.0):
+            whether the engine would beat cuBLASLt on the dense path.
 Each is timed as --repeat products on their own operands in one jitted call
 (per product, median over --reps calls), the three taking turns. A GEMM only
 on a CUDA GPU with the handler built; elsewhere the script says so and stops.
@@ -27,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from common import argument_parser, header, median_seconds, write_json
 
-from jax_nvfp4.backends import bf16_gemm
+from jax_nvfp4.backends import bf16_gemm, bf16_grouped_gemm
 
 
 def shapes(tokens: int, d: int, ffn: int):
@@ -76,6 +79,17 @@ def main(argv=None):
             for a, b in pairs
         ]
 
+    def engine(pairs):
+        one, unit = jnp.ones((1,), jnp.float32), jnp.ones((1,), jnp.int32)
+        return [
+            bf16_grouped_gemm.rows(
+                a, b[None], unit * a.shape[0], one, jnp.bfloat16, kernel="engine"
+            )
+            for a, b in pairs
+        ]
+
+    with_engine = bf16_grouped_gemm.engine_supported(groups=1, n=2)
+
     def xla_tn(pairs):
         dims = (((1,), (1,)), ((), ()))
         return [jax.lax.dot_general(a, b, dims) for a, b in pairs]
@@ -84,6 +98,7 @@ def main(argv=None):
     print(
         f"{'GEMM':16s} {'M':>6s} {'N':>6s} {'K':>6s} {'nvfp4 µs':>10s} "
         f"{'xla TN µs':>10s} {'xla µs':>10s} {'nvfp4/xla':>10s}"
+        + (f" {'engine µs':>10s} {'engine/nvfp4':>12s}" if with_engine else "")
     )
     for name, m, n, k, form in shapes(args.tokens, args.d, args.ffn):
         pairs = _operands(m, n, k, args.repeat)
@@ -107,6 +122,8 @@ def main(argv=None):
             "xla TN": (jax.jit(xla_tn), pairs),
             "xla": (jax.jit(model), model_pairs),
         }
+        if with_engine:
+            fns["engine"] = (jax.jit(engine), pairs)
         times = {key: [] for key in fns}
         for _ in range(args.rounds):
             for key, (fn, ops) in fns.items():
@@ -118,14 +135,22 @@ def main(argv=None):
             f"{name:16s} {m:6d} {n:6d} {k:6d} {med['nvfp4']:10.0f} "
             f"{med['xla TN']:10.0f} {med['xla']:10.0f} "
             f"{med['nvfp4'] / med['xla']:9.3f}x"
+            + (
+                f" {med['engine']:10.0f} {med['engine'] / med['nvfp4']:11.3f}x"
+                if with_engine
+                else ""
+            )
         )
-    total = {
-        key: sum(r[key] for r in rows.values()) for key in ("nvfp4", "xla TN", "xla")
-    }
+    total = {key: sum(r[key] for r in rows.values()) for key in times}
     print(
         f"{'all six':16s} {'':6s} {'':6s} {'':6s} {total['nvfp4']:10.0f} "
         f"{total['xla TN']:10.0f} {total['xla']:10.0f} "
         f"{total['nvfp4'] / total['xla']:9.3f}x"
+        + (
+            f" {total['engine']:10.0f} {total['engine'] / total['nvfp4']:11.3f}x"
+            if with_engine
+            else ""
+        )
     )
     if args.out:
         write_json(args.out, {"args": vars(args), "rows": rows})
