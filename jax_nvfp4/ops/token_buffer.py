@@ -25,7 +25,8 @@ the buffer plus a bounded halo:
 
 Here n is the number of shards and P the buffer's extra rows (at most
 15 G + 16 (pieces - 1)). On one device, and inside ``shard_map``, these are
-plain scatters and gathers.
+plain gathers both ways: each buffer row finds the x row it holds (XLA's
+scatters of rows ran at a quarter of its gathers' speed on GPUs).
 """
 
 from __future__ import annotations
@@ -84,6 +85,23 @@ def _destinations(sizes, rows, tokens: int):
     return jnp.where(valid, rows + shift[jnp.minimum(group, count - 1)], -1)
 
 
+def _sources(sizes, rows, tokens: int):
+    """The x row each buffer row in ``rows`` holds (global indices, int32):
+    the inverse of ``_destinations``. It is -1 for the padding between and
+    after the groups."""
+    count = sizes.shape[0]
+    sizes = sizes.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    padded = (sizes + 15) // 16 * 16
+    padded_ends = jnp.cumsum(padded)
+    group = jnp.searchsorted(padded_ends, rows, side="right")
+    g = jnp.minimum(group, count - 1)
+    offset = rows - (padded_ends[g] - padded[g])
+    source = starts[g] + offset
+    valid = (group < count) & (rows >= 0) & (offset < sizes[g]) & (source < tokens)
+    return jnp.where(valid, source, -1)
+
+
 def _window(local, axes, count: int, left: int, right: int):
     """This shard's rows, with up to ``left`` rows from the shards before it
     and ``right`` from the shards after it, fetched by collective permutes
@@ -122,11 +140,11 @@ def _to_buffer_shard(a, sizes, *, tokens, rows, mesh=None, axes=(), count=1):
     )
     index = _shard_place(mesh, axes, count)
     first = index * a.shape[0] - left
-    dest = _destinations(sizes, first + jnp.arange(window.shape[0]), tokens)
-    local = dest - index * b
-    local = jnp.where((dest >= 0) & (local >= 0) & (local < b), local, b)
-    buffer = jnp.zeros((b, a.shape[1]), a.dtype)
-    return buffer.at[local].set(window, mode="drop")
+    source = _sources(sizes, index * b + jnp.arange(b, dtype=jnp.int32), tokens)
+    local = source - first
+    inside = (source >= 0) & (local >= 0) & (local < window.shape[0])
+    local = jnp.where(inside, local, window.shape[0])
+    return window.at[local].get(mode="fill", fill_value=0)
 
 
 def _from_buffer_shard(buffer, sizes, *, tokens, rows, mesh=None, axes=(), count=1):
@@ -208,7 +226,7 @@ def _partitioned(shard_fn, rows_in: str, rows_out: str):
 
 def _define(name, shard_fn, rows_in, rows_out, out_rows):
     """A primitive around ``shard_fn``: eager and batched as its one-device
-    form (a vmapped plain scatter or gather), lowered partitioned."""
+    form (a vmapped plain gather), lowered partitioned."""
     prim = Primitive(name)
 
     def abstract(a, sizes, **params):
