@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_nvfp4.backends import devices, library
-from jax_nvfp4.backends.fp4_grouped_gemm import realigned_rows, take
+from jax_nvfp4.backends.group_alignment import realigned_rows, take
 
 __all__ = [
     "ENGINE_CAPABILITY",

@@ -14,11 +14,11 @@ layout. ``ragged_dot`` quantizes in its usual buffer (groups at multiples of
 16, so that every backend draws the same stochastic-rounding bits); the
 grouped GEMM primitives' native path (``ops.grouped_matmul``) moves the
 codes and scales to a buffer with groups at multiples of 128
-(``realigned_rows``, ``realigned_items``), and this module pads them to the
-handler's tiles and lays out the scales: the rows form's as one swizzled matrix (a
-group's 128-row tiles are its own), the tokens form's group-major (each
-group's [rows, tokens / 16] block swizzled on its own, ``group_major_scales``),
-since there the groups split the contraction.
+(``group_alignment.realigned_rows``, ``realigned_items``), and this module
+pads them to the handler's tiles and lays out the scales: the rows form's
+as one swizzled matrix (a group's 128-row tiles are its own), the tokens
+form's group-major (each group's [rows, tokens / 16] block swizzled on its
+own, ``group_major_scales``), since there the groups split the contraction.
 
 The handler's contract per group g: out = alpha_g * sum over the
 contraction of e2m1(a) s_a e2m1(b) s_b, float32 accumulation, alpha_g =
@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_nvfp4.backends import fp4_gemm, library
+from jax_nvfp4.backends.group_alignment import realigned_rows
 from jax_nvfp4.backends.operands import check_dtype, round_up, workspace_bytes
 
 __all__ = [
@@ -53,11 +54,9 @@ __all__ = [
     "aligned_sizes",
     "group_major_scales",
     "realigned_items",
-    "realigned_rows",
     "rows",
     "rows_operands",
     "supported",
-    "take",
     "tokens",
     "tokens_operands",
 ]
@@ -80,34 +79,6 @@ def _starts(sizes: jax.Array) -> jax.Array:
     return jnp.cumsum(sizes) - sizes
 
 
-def realigned_rows(
-    padded_sizes: jax.Array,
-    rows: int,
-    granule: int = _BLOCK,
-    alignment: int = GROUP_ALIGNMENT,
-) -> tuple[jax.Array, int]:
-    """Where each row of the aligned buffer comes from.
-
-    ``padded_sizes`` [G]: the groups' rows in ``ragged_dot``'s buffer of
-    ``rows`` rows (multiples of ``granule``, in order: 16, or 1 for a shard
-    of the buffer's rows). Returns (src [rows out], rows out): row j of a
-    buffer whose groups start at multiples of ``alignment`` (GROUP_ALIGNMENT
-    here) holds row src[j] of the input buffer, or zeros where src is out of
-    range.
-    """
-    count = padded_sizes.shape[0]
-    out_rows = round_up(rows + (alignment - granule) * count, alignment)
-    sizes = padded_sizes.astype(jnp.int32)
-    aligned = (sizes + alignment - 1) // alignment * alignment
-    j = jnp.arange(out_rows, dtype=jnp.int32)
-    group = jnp.searchsorted(jnp.cumsum(aligned), j, side="right")
-    g = jnp.minimum(group, count - 1)
-    offset = j - _starts(aligned)[g]
-    valid = (group < count) & (offset < sizes[g])
-    src = jnp.where(valid, _starts(sizes)[g] + offset, rows)
-    return src, out_rows
-
-
 def aligned_sizes(padded_sizes: jax.Array) -> jax.Array:
     """The group sizes in the aligned buffer (multiples of GROUP_ALIGNMENT)."""
     sizes = padded_sizes.astype(jnp.int32)
@@ -117,14 +88,10 @@ def aligned_sizes(padded_sizes: jax.Array) -> jax.Array:
 def realigned_items(padded_sizes: jax.Array, items: int) -> tuple[jax.Array, int]:
     """``realigned_rows`` for 16-token items: (src item [items out], items
     out)."""
-    src, out_rows = realigned_rows(padded_sizes, items * _BLOCK)
+    src, out_rows = realigned_rows(
+        padded_sizes, items * _BLOCK, granule=_BLOCK, alignment=GROUP_ALIGNMENT
+    )
     return src[::_BLOCK] // _BLOCK, out_rows // _BLOCK
-
-
-def take(t: jax.Array, src: jax.Array) -> jax.Array:
-    """t[src] along the first axis, zeros where src is out of range (the
-    realignment of ``realigned_rows`` / ``realigned_items``)."""
-    return t.at[src].get(mode="fill", fill_value=0)
 
 
 def _bytes(scales: jax.Array) -> jax.Array:

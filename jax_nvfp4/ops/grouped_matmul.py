@@ -42,7 +42,12 @@ import numpy as np
 from jax import lax
 
 from jax_nvfp4 import reference
-from jax_nvfp4.backends import bf16_grouped_gemm, fp4_grouped_gemm, library
+from jax_nvfp4.backends import (
+    bf16_grouped_gemm,
+    fp4_grouped_gemm,
+    group_alignment,
+    library,
+)
 from jax_nvfp4.format import BLOCK_SIZE, SCALE_RANGE
 from jax_nvfp4.ops import batching, dispatch, primitive
 from jax_nvfp4.ops.matmul import matmul_p
@@ -229,8 +234,10 @@ def _rows_native(*operands, dtype):
     # The groups move to multiples of 128 rows for the native GEMM, and back.
     rows, n = a_codes.shape[1], b_codes.shape[1]
     local = _local_sizes(sizes, origin[0], rows)
-    src, _ = fp4_grouped_gemm.realigned_rows(local, rows, granule=1)
-    take = fp4_grouped_gemm.take
+    src, _ = group_alignment.realigned_rows(
+        local, rows, granule=1, alignment=fp4_grouped_gemm.GROUP_ALIGNMENT
+    )
+    take = group_alignment.take
     out = fp4_grouped_gemm.rows(
         take(a_codes[0], src),
         take(a_scales[0], src),
@@ -250,7 +257,7 @@ def _tokens_native(*operands, dtype):
     local = _local_sizes(sizes // BLOCK_SIZE, origin[0], a_codes.shape[0])
     local = local * BLOCK_SIZE
     src, _ = fp4_grouped_gemm.realigned_items(local, a_codes.shape[0])
-    take = fp4_grouped_gemm.take
+    take = group_alignment.take
     out = fp4_grouped_gemm.tokens(
         take(a_codes, src),
         take(a_scales, src),

@@ -16,7 +16,7 @@ import pytest
 from grouped_cases import DTYPES, ROWS, TOKENS, rows_operands, tokens_operands
 
 from jax_nvfp4 import config, reference
-from jax_nvfp4.backends import fp4_gemm, fp4_grouped_gemm, library
+from jax_nvfp4.backends import fp4_gemm, fp4_grouped_gemm, group_alignment, library
 from jax_nvfp4.format import E2M1_VALUES
 from jax_nvfp4.ops import dispatch, grouped_matmul
 
@@ -61,9 +61,11 @@ def test_realigned_rows_put_groups_on_tiles():
     padded = jnp.asarray([32, 0, 144, 16], jnp.int32)
     rows = 256  # ragged_dot's buffer: the groups, then unused rows
     buffer = jnp.arange(1, rows + 1, dtype=jnp.int32)
-    src, out_rows = fp4_grouped_gemm.realigned_rows(padded, rows)
+    src, out_rows = group_alignment.realigned_rows(
+        padded, rows, granule=16, alignment=fp4_grouped_gemm.GROUP_ALIGNMENT
+    )
     assert out_rows % 128 == 0 and out_rows >= 3 * 128
-    moved = np.asarray(fp4_grouped_gemm.take(buffer, src))
+    moved = np.asarray(group_alignment.take(buffer, src))
     sizes = np.asarray(fp4_grouped_gemm.aligned_sizes(padded))
     np.testing.assert_array_equal(sizes, [128, 0, 256, 128])
     at, old = 0, 0
