@@ -149,7 +149,10 @@ auto GroupedGemmFp4Binding(Binder binder) {
 }
 
 // jax_nvfp4_grouped_gemm_bf16 (CUDA): ragged_dot's grouped GEMM on decoded
-// operands (ffi/gemm/mma/bf16_grouped_gemm.cu).
+// operands (ffi/gemm/mma/bf16_grouped_gemm.cu). Also
+// jax_nvfp4_grouped_gemm_sm90, the same GEMM on the Hopper engine
+// (ffi/gemm/engine/grouped_gemm.cu), whose tokens form takes a [lines, M,
+// 64] and b [lines, N, 64] (64 tokens a line).
 template <typename Binder>
 auto GroupedGemmBf16Binding(Binder binder) {
   return std::move(binder)
@@ -157,22 +160,6 @@ auto GroupedGemmBf16Binding(Binder binder) {
                                                // [items, M, 16]
       .template Arg<ffi::Buffer<ffi::BF16>>()  // b: rows [G, N, L]; tokens
                                                // [items, N, 16]
-      .template Arg<ffi::Buffer<ffi::S32>>()   // sizes [G], multiples of 16
-      .template Arg<ffi::Buffer<ffi::F32>>()   // alpha [G]
-      .template Ret<ffi::AnyBuffer>()          // rows [R, N]; tokens [G, M, N]
-      .template Attr<bool>("tokens");          // the form: rows or tokens
-}
-
-// jax_nvfp4_grouped_gemm_sm90 (CUDA, sm_90a): the same GEMM on the Hopper
-// engine (ffi/gemm/engine/grouped_gemm.cu); the tokens form's operands come
-// as lines of 64 tokens.
-template <typename Binder>
-auto GroupedGemmSm90Binding(Binder binder) {
-  return std::move(binder)
-      .template Arg<ffi::Buffer<ffi::BF16>>()  // a: rows [R, L]; tokens
-                                               // [lines, M, 64]
-      .template Arg<ffi::Buffer<ffi::BF16>>()  // b: rows [G, N, L]; tokens
-                                               // [lines, N, 64]
       .template Arg<ffi::Buffer<ffi::S32>>()   // sizes [G], multiples of 16
       .template Arg<ffi::Buffer<ffi::F32>>()   // alpha [G]
       .template Ret<ffi::AnyBuffer>()          // rows [R, N]; tokens [G, M, N]

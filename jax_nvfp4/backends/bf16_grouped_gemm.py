@@ -186,11 +186,11 @@ def tokens(
     order), alpha float32 [G] -> [G, M, N], by ``kernel`` (one of
     ``KERNELS``); empty groups give zeros.
     """
-    shape = (sizes.shape[0], a.shape[1], b.shape[1])
     if _checked_kernel(kernel) == "engine":
         a, b = token_lines(a, sizes), token_lines(b, sizes)
         return tokens_on_lines(a, b, sizes, alpha, dtype)
     if kernel == "mma":
+        shape = (sizes.shape[0], a.shape[1], b.shape[1])
         return _call(TARGET, a, b, sizes, alpha, shape, dtype, tokens_form=True)
     acc = lax.ragged_dot_general(
         _token_major(a),

@@ -25,8 +25,8 @@ the buffer plus a bounded halo:
 
 Here n is the number of shards and P the buffer's extra rows (at most
 15 G + 16 (pieces - 1)). On one device, and inside ``shard_map``, these are
-plain gathers both ways: each buffer row finds the x row it holds (XLA's
-scatters of rows ran at a quarter of its gathers' speed on GPUs).
+plain gathers both ways: each buffer row finds the x row it holds (on
+GPUs XLA's gathers of rows are far faster than its scatters).
 """
 
 from __future__ import annotations

@@ -53,39 +53,35 @@ int HopperSms() {
   return major == 9 && minor == 0 ? sms : 0;
 }
 
-template <typename Kernel>
-ffi::Error Prepared(Kernel kernel, int64_t shared_bytes) {
+// One persistent launch of an engine kernel as `plan` sizes it.
+template <typename... Params, typename... Args>
+ffi::Error Launch(void (*kernel)(Params...), int threads,
+                  const engine::GroupedPlan& plan, cudaStream_t stream,
+                  const char* what, Args... args) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(shared_bytes)) != cudaSuccess) {
+                           static_cast<int>(plan.shared_bytes)) !=
+      cudaSuccess) {
     return LaunchError("grouped_gemm_sm90 (shared memory)");
   }
+  kernel<<<static_cast<unsigned>(plan.grid), threads, plan.shared_bytes,
+           stream>>>(args...);
+  return LaunchError(what);
+}
+
+// The tensor maps of both operands (contiguous bf16, 128-byte swizzle).
+ffi::Error OperandMaps(const void* a, const void* b, int rank,
+                       const uint64_t* dims_a, const uint64_t* dims_b,
+                       const uint32_t* box_a, const uint32_t* box_b,
+                       CUtensorMap* map_a, CUtensorMap* map_b) {
+  if (!engine::Bf16TensorMap(a, rank, dims_a, box_a, CU_TENSOR_MAP_SWIZZLE_128B,
+                             map_a) ||
+      !engine::Bf16TensorMap(b, rank, dims_b, box_b, CU_TENSOR_MAP_SWIZZLE_128B,
+                             map_b)) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "jax_nvfp4: grouped_gemm_sm90 could not encode its "
+                      "tensor maps (a CUDA driver of 12.0 or newer?)");
+  }
   return ffi::Error::Success();
-}
-
-template <typename Out>
-ffi::Error LaunchRows(cudaStream_t stream, const CUtensorMap& a,
-                      const CUtensorMap& b, const engine::GroupedPlan& plan,
-                      const int32_t* sizes, const float* alpha, void* out,
-                      int groups, int rows, int n, int k) {
-  const auto kernel = engine::GroupedRowsKernel<Out>;
-  if (ffi::Error e = Prepared(kernel, plan.shared_bytes); e.failure()) return e;
-  kernel<<<static_cast<unsigned>(plan.grid), GroupedRowsShape::kThreads,
-           plan.shared_bytes, stream>>>(
-      a, b, sizes, alpha, static_cast<Out*>(out), groups, rows, n, k);
-  return LaunchError("grouped_gemm_sm90 (rows)");
-}
-
-template <typename Out>
-ffi::Error LaunchTokens(cudaStream_t stream, const CUtensorMap& a,
-                        const CUtensorMap& b, const engine::GroupedPlan& plan,
-                        const int32_t* sizes, const float* alpha, void* out,
-                        int groups, int lines, int m, int n) {
-  const auto kernel = engine::GroupedTokensKernel<Out>;
-  if (ffi::Error e = Prepared(kernel, plan.shared_bytes); e.failure()) return e;
-  kernel<<<static_cast<unsigned>(plan.grid), GroupedTokensShape::kThreads,
-           plan.shared_bytes, stream>>>(
-      a, b, sizes, alpha, static_cast<Out*>(out), groups, lines, m, n);
-  return LaunchError("grouped_gemm_sm90 (tokens)");
 }
 
 // launch(Out{}) for the output type `type`: bf16, f16 or f32.
@@ -144,18 +140,18 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
                               GroupedRowsShape::kBlockRows};
     const uint32_t box_b[] = {GroupedRowsShape::kBlockK,
                               GroupedRowsShape::kBlockCols};
-    if (!engine::Bf16TensorMap(a.typed_data(), 2, dims_a, box_a,
-                               CU_TENSOR_MAP_SWIZZLE_128B, &map_a) ||
-        !engine::Bf16TensorMap(b.typed_data(), 2, dims_b, box_b,
-                               CU_TENSOR_MAP_SWIZZLE_128B, &map_b)) {
-      return ffi::Error(ffi::ErrorCode::kInternal,
-                        "jax_nvfp4: grouped_gemm_sm90 could not encode its "
-                        "tensor maps (a CUDA driver of 12.0 or newer?)");
+    if (ffi::Error e = OperandMaps(a.typed_data(), b.typed_data(), 2, dims_a,
+                                   dims_b, box_a, box_b, &map_a, &map_b);
+        e.failure()) {
+      return e;
     }
     return ByOutputType(out->element_type(), [&](auto zero) {
-      return LaunchRows<decltype(zero)>(
-          stream, map_a, map_b, plan, sizes.typed_data(), alpha.typed_data(),
-          out->untyped_data(), int(groups), int(rows), int(n), int(k));
+      using Out = decltype(zero);
+      return Launch(engine::GroupedRowsKernel<Out>, GroupedRowsShape::kThreads,
+                    plan, stream, "grouped_gemm_sm90 (rows)", map_a, map_b,
+                    sizes.typed_data(), alpha.typed_data(),
+                    static_cast<Out*>(out->untyped_data()), int(groups),
+                    int(rows), int(n), int(k));
     });
   }
   const int64_t line = GroupedTokensShape::kLineTokens;
@@ -182,18 +178,18 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
   const uint64_t dims_b[] = {uint64_t(line), uint64_t(n), uint64_t(lines)};
   const uint32_t box_a[] = {uint32_t(line), GroupedTokensShape::kBlockM, 1};
   const uint32_t box_b[] = {uint32_t(line), GroupedTokensShape::kBlockN, 1};
-  if (!engine::Bf16TensorMap(a.typed_data(), 3, dims_a, box_a,
-                             CU_TENSOR_MAP_SWIZZLE_128B, &map_a) ||
-      !engine::Bf16TensorMap(b.typed_data(), 3, dims_b, box_b,
-                             CU_TENSOR_MAP_SWIZZLE_128B, &map_b)) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      "jax_nvfp4: grouped_gemm_sm90 could not encode its "
-                      "tensor maps (a CUDA driver of 12.0 or newer?)");
+  if (ffi::Error e = OperandMaps(a.typed_data(), b.typed_data(), 3, dims_a,
+                                 dims_b, box_a, box_b, &map_a, &map_b);
+      e.failure()) {
+    return e;
   }
   return ByOutputType(out->element_type(), [&](auto zero) {
-    return LaunchTokens<decltype(zero)>(
-        stream, map_a, map_b, plan, sizes.typed_data(), alpha.typed_data(),
-        out->untyped_data(), int(groups), int(lines), int(m), int(n));
+    using Out = decltype(zero);
+    return Launch(
+        engine::GroupedTokensKernel<Out>, GroupedTokensShape::kThreads, plan,
+        stream, "grouped_gemm_sm90 (tokens)", map_a, map_b, sizes.typed_data(),
+        alpha.typed_data(), static_cast<Out*>(out->untyped_data()), int(groups),
+        int(lines), int(m), int(n));
   });
 }
 
@@ -204,6 +200,6 @@ namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxNvfp4GroupedGemmSm90Cuda, jax_nvfp4::GroupedGemmSm90Cuda,
-    jax_nvfp4::GroupedGemmSm90Binding(
+    jax_nvfp4::GroupedGemmBf16Binding(
         ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});

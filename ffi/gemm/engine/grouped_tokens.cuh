@@ -4,9 +4,9 @@
 //
 // The operands come as lines of 64 tokens, a [lines, M, 64] and b [lines,
 // N, 64], each group starting on a line (zeros past its tokens). The
-// recipe's column-wise operands are [items, F, 16] (32-byte rows), and the
-// copy engine moves 32-byte rows at about a third of the rate the tensor
-// cores consume them; so the caller regroups them, four items to a 128-byte
+// recipe's column-wise operands are [items, F, 16] (32-byte rows), which
+// the copy engine moves too slowly to feed the tensor cores (DESIGN.md
+// 5.2); so the caller regroups them, four items to a 128-byte
 // row, each group from a new line (backends/bf16_grouped_gemm.py), and the
 // kernel streams lines exactly like the rows form's K blocks (128-byte
 // swizzle, one line per stage, four k16 steps). A line holds one group's

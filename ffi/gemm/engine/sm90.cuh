@@ -82,17 +82,6 @@ __device__ __forceinline__ void TmaLoad3d(void* dst, const CUtensorMap* map,
       : "memory");
 }
 
-// The descriptor of a K-major bf16 operand tile whose rows are 16 elements
-// (32 bytes, one k16 step) written by TMA with 32-byte swizzling: 8-row
-// atoms 256 bytes apart.
-__device__ __forceinline__ uint64_t Swizzled32Operand(const void* tile) {
-  uint64_t d = (uint64_t{SmemAddress(tile)} & 0x3FFFF) >> 4;
-  d |= uint64_t{1} << 16;         // leading byte offset: unused, swizzled
-  d |= uint64_t{256 >> 4} << 32;  // stride byte offset: one 8-row atom
-  d |= uint64_t{3} << 62;         // 32-byte swizzle
-  return d;
-}
-
 // The descriptor of a K-major bf16 operand tile whose rows are 64 elements
 // (128 bytes) written by TMA with 128-byte swizzling: 8-row atoms 1024 bytes
 // apart. One k16 step further along K is 32 bytes further.
