@@ -1,6 +1,6 @@
 """Time the GEMMs of serving: bfloat16 activations by a weight stored in NVFP4.
 
-    python benchmarks/serving_bench.py                       # 4096->14336, 8192->28672
+    python benchmarks/serving_bench.py         # 4096->14336, 8192->28672, 14336->4096
     python benchmarks/serving_bench.py --shapes 4096x14336 --rows 16,256
 
 For each weight K -> N and each row count M, a jitted loop of --iters GEMMs
@@ -9,14 +9,18 @@ summed), cycling through --copies weights of the shape so that no weight is
 still in the L2 cache when its turn comes (as in a model, where each layer
 has its own): the time per GEMM of
   bf16            jnp.dot of x by the bf16 weight (what serving in bf16 does)
-  w4a16 handler   jax_nvfp4's weight-only GEMM, the weight decoded in
-                  registers (ops.w4a16_matmul, path "handler")
+  w4a16 engine    jax_nvfp4's weight-only GEMM on the Hopper engine, the
+                  weight decoded in registers (ops.w4a16_matmul, path
+                  "engine"; compute capability 9.0)
+  w4a16 handler   the same on the mma.sync handler (path "handler")
   w4a16 decoded   the same product by the weight decoded to bf16 per call and
                   the cuBLASLt GEMM (path "cublaslt")
   w4a4            matmul(quantize(x), w): the activations quantized as in
                   training's FPROP, then the decoding GEMM
   matmul          what jax_nvfp4.matmul(x, w) dispatches to at this M
-The loop keeps the Python dispatch of each call out of the times.
+The loop keeps the Python dispatch of each call out of the times. Last
+columns: bf16's time over matmul's, and the weight's bytes (4.5 bits an
+element) over matmul's time.
 """
 
 from __future__ import annotations
@@ -64,8 +68,8 @@ def time_per_gemm(fn, x, weights, iters, rounds):
 
 def main(argv=None):
     parser = argument_parser(__doc__)
-    parser.add_argument("--shapes", default="4096x14336,8192x28672")
-    parser.add_argument("--rows", default="1,16,64,256,1024,2048,8192")
+    parser.add_argument("--shapes", default="4096x14336,8192x28672,14336x4096")
+    parser.add_argument("--rows", default="1,16,64,256,2048")
     parser.add_argument("--iters", type=int, default=48)
     parser.add_argument(
         "--copies", type=int, default=4, help="weights cycled through (L2 > 1 copy)"
@@ -93,6 +97,7 @@ def main(argv=None):
 
     products = {
         "bf16": lambda x, w: jnp.dot(x, w[1]),
+        "w4a16 engine": lambda x, w: w4a16("engine")(x, w[0]),
         "w4a16 handler": lambda x, w: w4a16("handler")(x, w[0]),
         "w4a16 decoded": lambda x, w: w4a16("cublaslt")(x, w[0]),
         "w4a4": lambda x, w: nv.matmul(nv.quantize(x), w[0]),
@@ -101,11 +106,13 @@ def main(argv=None):
     if not w4a16_gemm.handler_supported(256, 2):  # e.g. on the CPU
         for name in ("w4a16 handler", "w4a16 decoded"):
             del products[name]
+    if not w4a16_gemm.engine_supported(256):  # not an H100/H200
+        del products["w4a16 engine"]
     results = []
     print(
         f"{'K -> N':>13s} {'M':>5s} "
         + " ".join(f"{name:>14s}" for name in products)
-        + "   (us per GEMM; speed-up of w4a16 handler over bf16)"
+        + "   (us per GEMM; bf16 / matmul; weight TB/s at matmul)"
     )
     for shape in args.shapes.split(","):
         k, n = parse_shape(shape)
@@ -122,8 +129,11 @@ def main(argv=None):
                 row[name] = time_per_gemm(fn, x, weights, args.iters, args.rounds)
             results.append(row)
             times = " ".join(f"{row[name] * 1e6:14.1f}" for name in products)
-            fastest = row.get("w4a16 handler", row["matmul"])
-            print(f"{k:>6d}->{n:<6d} {m:5d} {times}   {row['bf16'] / fastest:.2f}x")
+            weight_bytes = n * k * 9 / 16  # codes and E4M3 scales
+            print(
+                f"{k:>6d}->{n:<6d} {m:5d} {times}   {row['bf16'] / row['matmul']:.2f}x"
+                f"   {weight_bytes / row['matmul'] / 1e12:.2f}"
+            )
     if args.out:
         write_json(args.out, {"args": vars(args), "results": results})
 

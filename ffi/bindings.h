@@ -179,6 +179,18 @@ auto MatmulW4A16Binding(Binder binder) {
       .template Ret<ffi::Buffer<ffi::U8>>();   // workspace (plan_w4a16)
 }
 
+// jax_nvfp4_matmul_w4a16_sm90 (CUDA): the same product on the Hopper engine
+// (ffi/gemm/engine/w4a16_gemm.cu), without a workspace.
+template <typename Binder>
+auto MatmulW4A16Sm90Binding(Binder binder) {
+  return std::move(binder)
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
+      .template Arg<ffi::Buffer<ffi::U8>>()    // w codes [N, K/2]
+      .template Arg<ffi::AnyBuffer>()          // w e4m3 scales [N, K/16]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // w amax [1]
+      .template Ret<ffi::AnyBuffer>();         // out [M, N], bf16 or f32
+}
+
 }  // namespace jax_nvfp4
 
 #endif  // JAX_NVFP4_FFI_BINDINGS_H_

@@ -23,12 +23,15 @@ Settings (environment variable, default):
 ``grouped_gemm`` (``JAX_NVFP4_GROUPED_GEMM``, on): ``ragged_dot``'s grouped
     GEMM by the CUDA handler on GPUs; off: XLA's ``ragged_dot_general`` on the
     same decoded operands (which XLA expands to a masked dense GEMM).
-``gemm_engine`` (``JAX_NVFP4_GEMM_ENGINE``, on): that grouped GEMM by the
-    Hopper engine (wgmma and TMA kernels) on compute capability 9.0 GPUs,
-    for the shapes it serves; off: the mma.sync handler there too.
+``gemm_engine`` (``JAX_NVFP4_GEMM_ENGINE``, on): that grouped GEMM, and the
+    W4A16 GEMM below, by the Hopper engine (wgmma and TMA kernels) on
+    compute capability 9.0 GPUs, for the shapes it serves; off: the mma.sync
+    handlers there too.
 ``w4a16_gemm`` (``JAX_NVFP4_W4A16_GEMM``, on): ``matmul`` of bfloat16
-    activations by an NVFP4 weight through the CUDA handler that decodes the
-    weight in registers, for few rows; off: the decoded weight and a bf16 GEMM.
+    activations by an NVFP4 weight through a CUDA handler that decodes the
+    weight in registers (the engine's at every M on compute capability 9.0,
+    the mma.sync one for few rows elsewhere); off: the decoded weight and a
+    bf16 GEMM.
 ``gemm_operands`` (``JAX_NVFP4_GEMM_OPERANDS``, ``auto``): the form in which
     the training recipe's fused quantize writes the operands that only feed a
     GEMM (same values in either form). ``auto``: decoded bfloat16 values where

@@ -1,10 +1,12 @@
-// A standalone check of the Hopper GEMM engine's grouped forms
-// (ffi/gemm/engine/grouped_rows.cuh, grouped_tokens.cuh) on an sm_90a GPU,
-// apart from the FFI handler (ffi/gemm/engine/grouped_gemm.cu):
-// bit-for-bit equality with plain reference kernels on integer-valued
-// operands and power-of-two alphas (exact sums), empty and unaligned
-// groups, float32 and bfloat16 outputs, and the TFLOP/s of moe_bench's
-// projections. Exits 1 if any case differs.
+// A standalone check of the Hopper GEMM engine's kernels on an sm_90a GPU,
+// apart from their FFI handlers: the grouped forms
+// (ffi/gemm/engine/grouped_rows.cuh, grouped_tokens.cuh) and the W4A16 GEMM
+// (w4a16.cuh). Bit-for-bit equality with plain reference kernels on
+// integer-valued operands and power-of-two scales and alphas (exact sums):
+// empty and unaligned groups, ragged M, N and K, every W4A16 configuration
+// and split, float32 and bfloat16 outputs; the speed of moe_bench's
+// projections and of serving_bench's W4A16 shapes (weights cycled past L2).
+// Exits 1 if any case differs.
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
 //     -o /tmp/engine_check tools/engine_check.cu && /tmp/engine_check
@@ -22,6 +24,7 @@
 #include "gemm/engine/grouped_rows.cuh"
 #include "gemm/engine/grouped_tokens.cuh"
 #include "gemm/engine/tensor_map.h"
+#include "gemm/engine/w4a16.cuh"
 
 #define CK(x)                                                             \
   do {                                                                    \
@@ -294,6 +297,98 @@ static void Tokens(const std::vector<int>& sizes, int m, int n, bool check,
   cudaFree(dbegin), cudaFree(dend), cudaFree(out), cudaFree(reference);
 }
 
+// --- W4A16 ------------------------------------------------------------------
+
+__device__ float E2M1(int code) {
+  const float magnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  return code & 8 ? -magnitude[code & 7] : magnitude[code & 7];
+}
+
+__global__ void W4A16Reference(const __nv_bfloat16* x, const uint8_t* codes,
+                               const uint8_t* scales, const float* amax,
+                               float* c, int m, int n, int k) {
+  const int row = blockIdx.y * blockDim.y + threadIdx.y;
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= m || col >= n) return;
+  float s = 0.f;
+  for (int i = 0; i < k; ++i) {
+    const int code = codes[(size_t(col) * k + i) / 2] >> (i % 2 * 4) & 15;
+    const float w =
+        E2M1(code) * jax_nvfp4::E4M3Decode(scales[(size_t(col) * k + i) / 16]);
+    s += __bfloat162float(x[size_t(row) * k + i]) * w;
+  }
+  c[size_t(row) * n + col] = s * (amax[0] / 2688.0f);
+}
+
+// x [m, k] times `copies` weights [n, k] in turn (so that timing reads them
+// from HBM, not L2); checks the first against the reference.
+template <typename Out>
+static void W4A16(int m, int n, int k, bool check, int sms, int copies = 1) {
+  srand(m * 7 + n * 3 + k);
+  const std::vector<__nv_bfloat16> hx = SmallIntegers(size_t(m) * k, m + k);
+  std::vector<uint8_t> hcodes(size_t(n) * k / 2 * copies);
+  for (auto& b : hcodes) b = uint8_t(rand());
+  // E4M3 powers of two 2^-3 .. 2^3 (exponent field 4 .. 10): exact sums.
+  std::vector<uint8_t> hscales(size_t(n) * k / 16 * copies);
+  for (auto& b : hscales) b = uint8_t((4 + rand() % 7) << 3);
+  const std::vector<float> hamax = {2688.0f * 4};  // alpha 4
+  __nv_bfloat16* x = Upload(hx);
+  uint8_t* codes = UploadOf(hcodes);
+  uint8_t* scales = UploadOf(hscales);
+  float* amax = UploadOf(hamax);
+  Out* out;
+  float* reference;
+  const size_t count = size_t(m) * n;
+  CK(cudaMalloc(&out, count * sizeof(Out)));
+  CK(cudaMalloc(&reference, count * 4));
+  CK(cudaMemset(out, 0xFF, count * sizeof(Out)));  // every element written
+  engine::W4A16Plan plan;
+  const std::string error = engine::PlanW4A16(m, n, k, sms, &plan);
+  if (!error.empty()) {
+    printf("plan: %s\n", error.c_str());
+    exit(1);
+  }
+  std::vector<CUtensorMap> maps(3 * copies);
+  for (int c = 0; c < copies; ++c) {
+    if (!engine::W4A16Maps(x, codes + size_t(c) * n * k / 2,
+                           scales + size_t(c) * n * k / 16, m, n, k,
+                           plan.config.tokens, &maps[3 * c], &maps[3 * c + 1],
+                           &maps[3 * c + 2])) {
+      printf("cuTensorMapEncodeTiled failed\n");
+      exit(1);
+    }
+  }
+  int call = 0;
+  const auto launch = [&] {
+    const int c = call++ % copies;
+    CK(engine::LaunchW4A16<Out>(plan, maps[3 * c], maps[3 * c + 1],
+                                maps[3 * c + 2], amax, out, m, n, k, nullptr));
+  };
+  launch();
+  CK(cudaDeviceSynchronize());
+  size_t bad = 0, first = 0;
+  if (check) {
+    W4A16Reference<<<dim3((n + 15) / 16, (m + 15) / 16), dim3(16, 16)>>>(
+        x, codes, scales, amax, reference, m, n, k);
+    CK(cudaDeviceSynchronize());
+    bad = Differences(out, reference, count, &first);
+  }
+  const float ms = Milliseconds(launch);
+  printf("w4a16 %s M=%d N=%d K=%d (tokens %d, splits %ld):",
+         sizeof(Out) == 4 ? "f32 " : "bf16", m, n, k, plan.config.tokens,
+         long(plan.splits));
+  if (check) {
+    printf(" %zu differ", bad);
+    if (bad) printf(" (first row %zu col %zu)", first / n, first % n);
+  }
+  const double weight_bytes = double(n) * k * 9 / 16;
+  printf("; %.1f us, weight %.2f TB/s, %.0f TFLOP/s\n", ms * 1e3,
+         weight_bytes / ms / 1e9, 2.0 * m * n * k / ms / 1e9);
+  failures += bad > 0;
+  cudaFree(x), cudaFree(codes), cudaFree(scales), cudaFree(amax);
+  cudaFree(out), cudaFree(reference);
+}
+
 int main(int argc, char** argv) {
   const bool small = argc > 1 && std::string(argv[1]) == "small";
   int sms = 0;
@@ -310,7 +405,20 @@ int main(int argc, char** argv) {
   Tokens<float>({64, 128, 16, 0, 80}, 128, 256, true, sms);
   Tokens<float>({0, 0, 0}, 128, 256, true, sms);
   Tokens<__nv_bfloat16>({1000, 0, 2000, 513}, 384, 512, true, sms);
+  // Every configuration (M 1 .. 2048), ragged M and N, split K.
+  for (int m : {1, 7, 16, 17, 64, 100, 256})
+    W4A16<float>(m, 300, 1024, true, sms);
+  W4A16<float>(5, 4096, 4096, true, sms);  // splits
+  W4A16<__nv_bfloat16>(33, 256, 768, true, sms);
+  W4A16<__nv_bfloat16>(130, 518, 512, true, sms);  // N past whole quads
   if (!small) {
+    W4A16<float>(2048, 1024, 2048, true, sms);
+    // serving_bench's shapes; four weights cycled past L2.
+    for (int m : {1, 16, 64, 256, 2048}) {
+      W4A16<__nv_bfloat16>(m, 14336, 4096, false, sms, 4);
+      W4A16<__nv_bfloat16>(m, 28672, 8192, false, sms, 2);
+      W4A16<__nv_bfloat16>(m, 4096, 14336, false, sms, 4);
+    }
     // moe_bench's projections: gate/up FPROP, down FPROP, the WGRAD of gate.
     Rows<float>(moe, 8192, 2048, true, sms);
     Rows<__nv_bfloat16>(moe, 2048, 8192, false, sms);

@@ -7,6 +7,7 @@
 #define JAX_NVFP4_FFI_CUDA_DECODE_CUH_
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -38,14 +39,36 @@ __device__ __forceinline__ uint32_t ScaleBf16Pair(float scale) {
   return __byte_perm(FloatBits(scale), 0u, 0x3232u);
 }
 
+// The bfloat16 bits of two E4M3 scales (bytes 0 and 1 of `pair`), each in
+// both halves of a word.
+__device__ __forceinline__ void ScalePairsBf16(uint32_t pair, uint32_t& first,
+                                               uint32_t& second) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // E4M3 -> f16 is exact (NaN stays NaN); f16 -> f32 too, and the scale's
+  // 4 significant bits fit bfloat16.
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;"
+      : "=r"(halves)
+      : "h"(static_cast<unsigned short>(pair)));
+  first = ScaleBf16Pair(__half2float(__ushort_as_half(halves & 0xFFFFu)));
+  second = ScaleBf16Pair(__half2float(__ushort_as_half(halves >> 16)));
+#else
+  first = ScaleBf16Pair(E4M3Decode(pair & 0xFFu));
+  second = ScaleBf16Pair(E4M3Decode((pair >> 8) & 0xFFu));
+#endif
+}
+
 // The 8 elements of a code word (element j in nibble j) as bfloat16
-// e2m1 * scale, elements 2i and 2i + 1 in the low and high half of word i.
-// The magnitudes' bytes come from the two byte tables (a nibble 0..7 selects
-// one of 8 bytes); the signs by sign-replicating byte selection: byte k of
-// `codes` holds element 2k + 1's sign in its bit 7 and, shifted left by 4,
-// element 2k's. One bf16x2 multiply per two elements applies the scale.
+// e2m1 * scale, elements 2i and 2i + 1 in the low and high half of word i;
+// elements 0-3 take scale_low, 4-7 scale_high (bfloat16 pairs as
+// ScaleBf16Pair gives them). The magnitudes' bytes come from the two byte
+// tables (a nibble 0..7 selects one of 8 bytes); the signs by
+// sign-replicating byte selection: byte k of `codes` holds element 2k + 1's
+// sign in its bit 7 and, shifted left by 4, element 2k's. One bf16x2
+// multiply per two elements applies the scale.
 __device__ __forceinline__ uint4 DecodeCodes8Bf16(uint32_t codes,
-                                                  uint32_t scale_pair) {
+                                                  uint32_t scale_low,
+                                                  uint32_t scale_high) {
   const uint32_t index = codes & 0x77777777u;  // magnitude nibbles
   const uint32_t lo03 = __byte_perm(kE2M1LowBytes03, kE2M1LowBytes47, index);
   const uint32_t hi03 = __byte_perm(kE2M1HighBytes03, kE2M1HighBytes47, index);
@@ -63,16 +86,23 @@ __device__ __forceinline__ uint4 DecodeCodes8Bf16(uint32_t codes,
                    __byte_perm(lo03, signed03, 0x7362u),
                    __byte_perm(lo47, signed47, 0x5140u),
                    __byte_perm(lo47, signed47, 0x7362u)};
-  __nv_bfloat162 scale2;
-  memcpy(&scale2, &scale_pair, sizeof scale2);
+  __nv_bfloat162 scale2[2];
+  memcpy(&scale2[0], &scale_low, sizeof scale2[0]);
+  memcpy(&scale2[1], &scale_high, sizeof scale2[1]);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     __nv_bfloat162 v;
     memcpy(&v, &w[i], sizeof v);
-    v = __hmul2(v, scale2);
+    v = __hmul2(v, scale2[i / 2]);
     memcpy(&w[i], &v, sizeof v);
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// All 8 elements with one scale.
+__device__ __forceinline__ uint4 DecodeCodes8Bf16(uint32_t codes,
+                                                  uint32_t scale_pair) {
+  return DecodeCodes8Bf16(codes, scale_pair, scale_pair);
 }
 
 }  // namespace jax_nvfp4

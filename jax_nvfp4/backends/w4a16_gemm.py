@@ -9,7 +9,13 @@ an E4M3 scale fits bfloat16), sums float32, alpha in the epilogue, one
 rounding to the output dtype.
 
 The GEMMs the W4A16 primitive (``jax_nvfp4.ops.w4a16_matmul``) lowers to on
-CUDA, as ``ops.dispatch`` chooses them. The CUDA handler
+CUDA, as ``ops.dispatch`` chooses them. On compute capability 9.0 the Hopper
+engine's handler ``jax_nvfp4_matmul_w4a16_sm90``
+(ffi/gemm/engine/w4a16_gemm.cu) runs every M: the weight is wgmma's A
+operand, decoded in registers from codes and scales that TMA stages in
+shared memory, and x its B operand, so that a few tokens fill an n16 tile;
+K is split across a thread-block cluster when the tiles alone leave
+multiprocessors idle. Elsewhere the CUDA handler
 ``jax_nvfp4_matmul_w4a16`` (ffi/gemm/mma/w4a16_gemm.cu) decodes the weight in
 registers: it reads 4.5 bits per weight element and no bfloat16 copy of the
 weight exists, which is what wins at the few rows of x of token-by-token
@@ -33,10 +39,20 @@ from jax_nvfp4 import reference
 from jax_nvfp4.backends import bf16_gemm, devices, library
 from jax_nvfp4.format import SCALE_RANGE
 
-__all__ = ["MAX_HANDLER_ROWS", "TARGET", "handler_supported", "matmul_w4a16"]
+__all__ = [
+    "ENGINE_TARGET",
+    "MAX_HANDLER_ROWS",
+    "TARGET",
+    "engine_supported",
+    "handler_supported",
+    "matmul_w4a16",
+]
 
 TARGET = "jax_nvfp4_matmul_w4a16"
 MIN_CAPABILITY = (8, 0)  # bf16 mma.sync
+ENGINE_TARGET = "jax_nvfp4_matmul_w4a16_sm90"
+ENGINE_CAPABILITY = (9, 0)  # wgmma: sm_90a code runs on 9.0 alone
+ENGINE_K_MULTIPLE = 256  # TMA reads a weight row's scales 16 bytes at a time
 # Rows of x up to which the handler runs (benchmarks/serving_bench.py): its
 # tiles hold at most 64 rows; past that the GEMM is compute-bound and the
 # cuBLASLt path is faster.
@@ -51,6 +67,20 @@ def handler_supported(k: int, n: int, target: Any = None) -> bool:
         return False
     lowered_for = devices.lowering_devices(target)
     return bool(lowered_for) and devices.all_capable(lowered_for, MIN_CAPABILITY)
+
+
+def engine_supported(k: int, target: Any = None) -> bool:
+    """Whether the Hopper engine's handler takes a weight [N, K]: compiled
+    in, every device of compute capability 9.0 exactly, K a positive
+    multiple of 256."""
+    if ENGINE_TARGET not in library.targets_on("cuda"):
+        return False
+    if k <= 0 or k % ENGINE_K_MULTIPLE:
+        return False
+    lowered_for = devices.lowering_devices(target)
+    return bool(lowered_for) and all(
+        devices.capability(d) == ENGINE_CAPABILITY for d in lowered_for
+    )
 
 
 def matmul_w4a16(
@@ -68,8 +98,9 @@ def matmul_w4a16(
     scales float8_e4m3fn [b', N, K/16], amax float32 [b'], b' 1 or b) ->
     [b, M, N] of dtype (bfloat16 or float32): a lowering body.
 
-    path: "handler" (the CUDA handler; one weight, b' = 1, x's batch folded
-    into its rows), "cublaslt" (the decoded weight and the cuBLASLt bf16 GEMM
+    path: "engine" (the Hopper engine's handler) or "handler" (the mma.sync
+    handler; for both one weight, b' = 1, x's batch folded into its rows),
+    "cublaslt" (the decoded weight and the cuBLASLt bf16 GEMM
     with alpha in its epilogue) or "xla" (the twin). decode_handler: decode
     the weight with the CUDA decode handler (``bf16_gemm.decode_bf16_cuda``)
     instead of XLA's fusion of the twin (same values). graphs: the cuBLASLt
@@ -81,12 +112,18 @@ def matmul_w4a16(
     weights, n, _ = codes.shape
     if path == "xla" or 0 in (batch, m, n, k):
         return reference.w4a16_matmul(x, codes, scales, amax, dtype=dtype)
+    if path in ("engine", "handler") and weights != 1:
+        raise ValueError(
+            f"the W4A16 {path} multiplies by one weight; got {weights} "
+            "(one per batch item): use path 'cublaslt' or 'xla'"
+        )
+    if path == "engine":
+        result = jax.ShapeDtypeStruct((batch * m, n), dtype)
+        out = jax.ffi.ffi_call(ENGINE_TARGET, result)(
+            x.reshape(batch * m, k), codes[0], scales[0], amax
+        )
+        return out.reshape(batch, m, n)
     if path == "handler":
-        if weights != 1:
-            raise ValueError(
-                f"the W4A16 handler multiplies by one weight; got {weights} "
-                "(one per batch item): use path 'cublaslt' or 'xla'"
-            )
         ext = library.extension()
         if ext is None:
             raise RuntimeError(
@@ -103,7 +140,9 @@ def matmul_w4a16(
         )(x.reshape(batch * m, k), codes[0], scales[0], amax)
         return out.reshape(batch, m, n)
     if path != "cublaslt":
-        raise ValueError(f"path must be 'handler', 'cublaslt' or 'xla', got {path!r}")
+        raise ValueError(
+            f"path must be 'engine', 'handler', 'cublaslt' or 'xla', got {path!r}"
+        )
     decode = bf16_gemm.decode_bf16_cuda if decode_handler else reference.decode_bf16
     w = decode(codes, scales)  # [b', N, K], the same values either way
     if weights == 1:  # one GEMM over every row of x

@@ -24,8 +24,10 @@ reference.
 
 Weight-only GEMM (the W4A16 primitive of serving, ``matmul(x_bf16,
 w_nvfp4)``), chosen when lowered for CUDA (``w4a16_path``, from the lowering
-context and the shapes): ``"handler"`` (the weight decoded in registers,
-``w4a16_gemm``; few rows), ``"cublaslt"`` (the decoded weight, by the decode
+context and the shapes): ``"engine"`` (the Hopper engine, the weight decoded
+in registers, ``w4a16_gemm``; every M, compute capability 9.0, K a multiple
+of 256), ``"handler"`` (the mma.sync kernel, the weight decoded in
+registers; few rows, from 8.0), ``"cublaslt"`` (the decoded weight, by the decode
 handler where it is built, and the cuBLASLt bf16 GEMM) or ``"xla"`` (the
 twin).
 
@@ -72,7 +74,7 @@ __all__ = [
 
 DENSE = ("native_fp4", "cublaslt_bf16", "xla_bf16")
 GROUPED = ("per_group", "engine", "bf16_handler", "xla_ragged", "native_fp4")
-W4A16 = ("handler", "cublaslt", "xla")
+W4A16 = ("engine", "handler", "cublaslt", "xla")
 
 
 def dense_path(target: Sequence[Any] | None = None) -> str:
@@ -180,6 +182,13 @@ def w4a16_path(
         return "xla"  # nothing to multiply
     settings = config.settings()
     lowered_for = devices.lowering_devices(target)
+    if (
+        settings.w4a16_gemm
+        and settings.gemm_engine
+        and weights == 1
+        and w4a16_gemm.engine_supported(k, lowered_for)
+    ):
+        return "engine"
     if (
         settings.w4a16_gemm
         and weights == 1

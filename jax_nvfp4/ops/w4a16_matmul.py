@@ -125,7 +125,9 @@ def w4a16_matmul(x, codes, scales, amax, *, dtype, path: str = "auto"):
     [b, m, n] of dtype (bfloat16 or float32).
 
     path: the CUDA GEMM, one of ``PATHS``: "auto" (the dispatcher's choice
-    when lowered), "handler" (the weight decoded in registers; b' = 1),
+    when lowered), "engine" (the Hopper engine, the weight decoded in
+    registers; b' = 1, compute capability 9.0, K a multiple of 256),
+    "handler" (the mma.sync kernel, the weight decoded in registers; b' = 1),
     "cublaslt" (the decoded weight and the cuBLASLt bf16 GEMM) or "xla" (the
     twin). A named path is lowered as asked, where its handler is built.
     Other platforms run the twin whatever the path.

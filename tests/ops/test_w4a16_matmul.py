@@ -3,7 +3,8 @@ its primitive ``ops.w4a16_matmul``.
 
 Operands built so that every float32 sum is exact (integer activations, scales
 1 or 2) make results that may differ only in summation order bit-identical:
-the CUDA handler, the cuBLASLt path and XLA's twin must then agree exactly.
+the Hopper engine, the CUDA handler, the cuBLASLt path and XLA's twin must
+then agree exactly.
 Which CUDA GEMM the primitive lowers to is checked on any machine by lowering
 for "cuda" with the handlers' registry and the devices faked."""
 
@@ -224,6 +225,7 @@ def test_handler_plan_binding():
 # --- which CUDA GEMM the primitive lowers to (checked on any machine) -------
 
 HANDLER = w4a16_gemm.TARGET
+ENGINE = w4a16_gemm.ENGINE_TARGET
 DECODE, GRAPH_GEMM = bf16_gemm.DECODE_TARGET, bf16_gemm.GRAPH_TARGET
 CUDA_TARGETS = frozenset({HANDLER, DECODE, GRAPH_GEMM, bf16_gemm.TARGET})
 # A CPU-only build warns when something is first lowered for "cuda".
@@ -415,6 +417,59 @@ def test_w4a16_path(monkeypatch):
     assert path(100, 256, 64, h100) == "xla"
 
 
+@lowering_for_cuda
+@pytest.mark.parametrize(
+    "lead,k,n,capability,switches,want",
+    [
+        ((1,), 256, 64, "9.0", {}, [ENGINE]),
+        ((3, 5), 512, 65, "9.0", {}, [ENGINE]),  # any N
+        ((2048,), 256, 64, "9.0", {}, [ENGINE]),  # every M
+        ((8,), 384, 64, "9.0", {}, [HANDLER]),  # K not a multiple of 256
+        ((8,), 256, 64, "10.0", {}, [HANDLER]),  # sm_90a code: 9.0 only
+        ((8,), 256, 64, "9.0", {"gemm_engine": False}, [HANDLER]),
+        ((8,), 256, 64, "9.0", {"w4a16_gemm": False}, CUBLASLT),
+    ],
+)
+def test_engine_is_chosen_on_hopper(
+    hopper, monkeypatch, lead, k, n, capability, switches, want
+):
+    hopper["cuda"] = CUDA_TARGETS | {ENGINE}
+    gpu = fake_device("gpu", capability)
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (gpu,))
+    x, w = _serving(lead, k, n)
+    with config.override(**switches):
+        calls, text = _lowered(_product(), x, w)
+    assert calls == want, text
+
+
+@lowering_for_cuda
+def test_engine_call_takes_the_folded_rows(hopper):
+    """x's rows folded into one [M, K] operand, the stored weight, no
+    workspace."""
+    hopper["cuda"] = CUDA_TARGETS | {ENGINE}
+    x, w = _serving((3, 5), 256, 64)
+    _, text = _lowered(_product(jnp.float32), x, w)
+    (call,) = [line for line in text.splitlines() if f"@{ENGINE}(" in line]
+    assert (
+        "(tensor<15x256xbf16>, tensor<64x128xui8>, tensor<64x16xf8E4M3FN>, "
+        "tensor<1xf32>) -> tensor<15x64xf32>"
+    ) in call
+
+
+def test_engine_supported(monkeypatch):
+    monkeypatch.setattr(library, "registered_targets", lambda: {"cuda": {ENGINE}})
+    hopper, blackwell = [fake_device("gpu", "9.0")], [fake_device("gpu", "10.0")]
+    assert w4a16_gemm.engine_supported(256, hopper)
+    assert w4a16_gemm.engine_supported(14336, hopper)
+    assert not w4a16_gemm.engine_supported(128, hopper)
+    assert not w4a16_gemm.engine_supported(0, hopper)
+    assert not w4a16_gemm.engine_supported(256, blackwell)
+    assert not w4a16_gemm.engine_supported(256, [*hopper, *blackwell])
+    assert not w4a16_gemm.engine_supported(256, [])
+    monkeypatch.setattr(library, "registered_targets", lambda: {"cuda": set()})
+    assert not w4a16_gemm.engine_supported(256, hopper)
+
+
 needs_handler = pytest.mark.skipif(
     not (has_gpu() and w4a16_gemm.handler_supported(256, 2)),
     reason="needs the CUDA W4A16 handler on a GPU",
@@ -429,6 +484,8 @@ def _paths(x, w, dtype):
     paths = ["xla", "handler"]
     if bf16_gemm.cublaslt_gemm_supported():
         paths.append("cublaslt")
+    if w4a16_gemm.engine_supported(x.shape[-1]):
+        paths.append("engine")
     out = {}
     for path in paths:
         fn = functools.partial(ops.w4a16_matmul, dtype=dtype, path=path)
@@ -452,6 +509,52 @@ def test_handler_equals_twin_exactly(m, n, k, dtype):
     want = np.asarray(_oracle(x, w, dtype), np.float32)
     for path, got in out.items():
         np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=path)
+
+
+needs_engine = pytest.mark.skipif(
+    not (has_gpu() and w4a16_gemm.engine_supported(256)),
+    reason="needs the Hopper engine's W4A16 handler on an H100/H200",
+)
+
+
+@needs_engine
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 64, 100, 256, 2048])
+@pytest.mark.parametrize(
+    "n,k",
+    [(64, 256), (130, 512), (1024, 4096), (300, 1024), (2, 14336)],
+    ids=["one-block", "n-tail", "split-k", "n-quad-tail", "two-rows"],
+)
+def test_engine_equals_twin_exactly(m, n, k, dtype):
+    """Every configuration (16 to 128 tokens a tile), K split over a cluster
+    or not, N past whole tiles and quads."""
+    w = _exact_weight(n, k, seed=m)
+    x = _integers((m, k), seed=n)
+    fn = functools.partial(ops.w4a16_matmul, dtype=dtype, path="engine")
+    got = jax.jit(fn)(*_stored(x, w))[0]
+    want = np.asarray(_oracle(x, w, dtype), np.float32)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+@needs_engine
+@pytest.mark.gpu
+def test_engine_keeps_nans_in_their_row_and_column():
+    """A NaN in x's row i and in weight row j's scale: row i and column j
+    are NaN, nothing else."""
+    w = _exact_weight(200, 512, seed=3)
+    scale_bytes = np.array(jax.lax.bitcast_convert_type(w.scales, jnp.uint8))
+    scale_bytes[150, 7] = 0x7F  # E4M3 NaN
+    scales = jax.lax.bitcast_convert_type(jnp.asarray(scale_bytes), jnp.float8_e4m3fn)
+    w = NVFP4Tensor(w.codes, scales, w.amax, shape=(512, 200), axis=0)
+    x = np.array(_integers((20, 512), seed=4))
+    x[5, 300] = np.nan
+    fn = functools.partial(ops.w4a16_matmul, dtype=jnp.float32, path="engine")
+    got = np.asarray(jax.jit(fn)(*_stored(jnp.asarray(x, jnp.bfloat16), w))[0])
+    nan = np.isnan(got)
+    assert nan[5].all() and nan[:, 150].all()
+    nan[5], nan[:, 150] = False, False
+    assert not nan.any()
 
 
 @needs_handler

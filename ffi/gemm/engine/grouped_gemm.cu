@@ -28,6 +28,7 @@
 #include "gemm/engine/grouped_plan.h"
 #include "gemm/engine/grouped_rows.cuh"
 #include "gemm/engine/grouped_tokens.cuh"
+#include "gemm/engine/hopper.h"
 #include "gemm/engine/tensor_map.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -36,22 +37,6 @@ namespace {
 
 using engine::GroupedRowsShape;
 using engine::GroupedTokensShape;
-
-// The current device's SM count, or 0 if it is not compute capability 9.0
-// (the only GPU the sm_90a kernels run on).
-int HopperSms() {
-  int device = 0, major = 0, minor = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                             device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
-                             device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) !=
-          cudaSuccess) {
-    return 0;
-  }
-  return major == 9 && minor == 0 ? sms : 0;
-}
 
 // One persistent launch of an engine kernel as `plan` sizes it.
 template <typename... Params, typename... Args>
@@ -111,7 +96,7 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
   if (alpha.element_count() != groups) {
     return InvalidArgument("grouped_gemm_sm90: sizes and alpha must be [G]");
   }
-  const int sms = HopperSms();
+  const int sms = engine::HopperSms();
   if (sms == 0) {
     return InvalidArgument(
         "grouped_gemm_sm90 runs on compute capability 9.0 GPUs only (the "

@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 
 // Whether this compilation pass emits the engine's kernels: sm_90a only
 // (wgmma exists on no other target). Elsewhere their bodies are empty and
@@ -105,6 +106,39 @@ __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
+// All threads of all CTAs of the cluster: what each wrote to its shared
+// memory before is visible to the others' cluster loads after.
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile(
+      "barrier.cluster.arrive.release;\n"
+      "barrier.cluster.wait.acquire;" ::
+          : "memory");
+}
+
+// Four floats of CTA `rank`'s shared memory at the address `local` has in
+// this CTA's.
+__device__ __forceinline__ float4 ClusterLoad(uint32_t local, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote)
+               : "r"(local), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+
+// One output, rounded once to Out.
+__device__ __forceinline__ void StoreOne(float* p, float x) { *p = x; }
+__device__ __forceinline__ void StoreOne(__nv_bfloat16* p, float x) {
+  *p = __float2bfloat16_rn(x);
+}
+__device__ __forceinline__ void StoreOne(__half* p, float x) {
+  *p = __float2half_rn(x);
+}
+
 // Two adjacent outputs, rounded once to Out.
 __device__ __forceinline__ void StorePair(float* p, float x, float y) {
   *reinterpret_cast<float2*>(p) = make_float2(x, y);
@@ -114,6 +148,28 @@ __device__ __forceinline__ void StorePair(__nv_bfloat16* p, float x, float y) {
 }
 __device__ __forceinline__ void StorePair(__half* p, float x, float y) {
   *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+}
+
+// Four adjacent outputs (16-byte aligned for float, 8-byte for 16-bit
+// types), rounded once to Out.
+__device__ __forceinline__ void StoreQuad(float* p, float4 v) {
+  *reinterpret_cast<float4*>(p) = v;
+}
+__device__ __forceinline__ void StoreQuad(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 low = __floats2bfloat162_rn(v.x, v.y);
+  const __nv_bfloat162 high = __floats2bfloat162_rn(v.z, v.w);
+  uint2 bits;
+  memcpy(&bits.x, &low, 4);
+  memcpy(&bits.y, &high, 4);
+  *reinterpret_cast<uint2*>(p) = bits;
+}
+__device__ __forceinline__ void StoreQuad(__half* p, float4 v) {
+  const __half2 low = __floats2half2_rn(v.x, v.y);
+  const __half2 high = __floats2half2_rn(v.z, v.w);
+  uint2 bits;
+  memcpy(&bits.x, &low, 4);
+  memcpy(&bits.y, &high, 4);
+  *reinterpret_cast<uint2*>(p) = bits;
 }
 
 }  // namespace engine

@@ -57,25 +57,6 @@ struct Args {
   int64_t m, n, k;
 };
 
-// The bfloat16 bits of two E4M3 scales (bytes 0 and 1 of `pair`), each in
-// both halves of a word.
-__device__ __forceinline__ void ScalePairsBf16(uint32_t pair, uint32_t& first,
-                                               uint32_t& second) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  // E4M3 -> f16 is exact (NaN stays NaN); f16 -> f32 too, and the scale's
-  // 4 significant bits fit bfloat16.
-  uint32_t halves;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;"
-      : "=r"(halves)
-      : "h"(static_cast<unsigned short>(pair)));
-  first = ScaleBf16Pair(__half2float(__ushort_as_half(halves & 0xFFFFu)));
-  second = ScaleBf16Pair(__half2float(__ushort_as_half(halves >> 16)));
-#else
-  first = ScaleBf16Pair(E4M3Decode(pair & 0xFFu));
-  second = ScaleBf16Pair(E4M3Decode((pair >> 8) & 0xFFu));
-#endif
-}
-
 // x's fragments for m-tile i and step s of chunk t, lane by lane, 16 bytes:
 // mma.sync's a0 .. a3 (row g's first k pair, row g + 8's, row g's second,
 // row g + 8's).

@@ -1,0 +1,326 @@
+// The W4A16 GEMM on the Hopper engine (sm_90a): bf16 activations times an
+// NVFP4 weight decoded in registers,
+//
+//   out[m, n] = (amax / 2688) * sum_k x[m, k] * e2m1(w[n, k]) * s[n, k / 16]
+//
+// x bf16 [M, K]; the weight as quantized along K: codes uint8 [N, K / 2]
+// (element 2i in the low nibble of byte i), E4M3 scales [N, K / 16].
+//
+// The weight is wgmma's A operand, from registers, and x is its B operand,
+// from shared memory: D^T[n, m] = W[n, :] . x[m, :], so that a few tokens
+// fill an n16 tile while the weight's rows fill wgmma's 64-row side. Per
+// CTA (w4a16_plan.h): a producer warp streams x's tile, the codes' tile and,
+// on each 256-element block's first stage, the scales' tile by TMA into a
+// ring of stages; two consumer warpgroups each own 64 weight rows. A
+// consumer thread reads its rows' codes from shared memory (16 bytes, two
+// k16 steps, per row), picks its bytes of each step with byte permutes,
+// decodes them to bf16 e2m1 * scale (exact: at most 6 significant bits) in
+// the register layout wgmma's A takes, and issues one wgmma per k16 step.
+// Fragments are double-buffered: a stage's are decoded while the previous
+// stage's wgmma still read theirs. Products are exact, sums float32.
+//
+// The epilogue stages the 128 x tokens float32 tile in shared memory
+// transposed (so that stores run along n). With K split, the slices of a
+// tile are one cluster: after a cluster barrier each CTA adds a part of the
+// tile from every slice's shared memory in slice order, so the sums do not
+// depend on timing. Alpha after the sums, one rounding to the output type.
+#ifndef JAX_NVFP4_FFI_GEMM_ENGINE_W4A16_CUH_
+#define JAX_NVFP4_FFI_GEMM_ENGINE_W4A16_CUH_
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/decode.cuh"
+#include "gemm/engine/pipeline.cuh"
+#include "gemm/engine/sm90.cuh"
+#include "gemm/engine/tensor_map.h"
+#include "gemm/engine/w4a16_plan.h"
+#include "gemm/engine/wgmma.cuh"
+#include "numerics/nvfp4.h"
+
+namespace jax_nvfp4 {
+namespace engine {
+
+template <int kTokens>
+struct W4A16Shape {
+  static constexpr int kRows = kW4A16WeightRows, kBlockK = kW4A16BlockK;
+  static constexpr int kCodeBytes = kRows * kBlockK / 2;         // 32-byte rows
+  static constexpr int kScaleBytes = kRows * kW4A16ScaleK / 16;  // 16-byte
+  static constexpr int kXBytes = kTokens * kBlockK * 2;  // 128-byte rows
+  // The transposed float32 tile of the epilogue: a row of 128 weight rows
+  // per token, padded so that a warp's stores hit 32 banks.
+  static constexpr int kTilePitch = kRows + 4;
+};
+
+// wgmma m64n{kTokens}k16 with A from registers.
+template <int kTokens>
+__device__ __forceinline__ void WgmmaRegisterA(float (&d)[kTokens / 2],
+                                               const uint32_t (&a)[4],
+                                               uint64_t desc_b) {
+  if constexpr (kTokens == 16) WgmmaM64N16K16RegisterA(d, a, desc_b, 1);
+  if constexpr (kTokens == 32) WgmmaM64N32K16RegisterA(d, a, desc_b, 1);
+  if constexpr (kTokens == 64) WgmmaM64N64K16RegisterA(d, a, desc_b, 1);
+  if constexpr (kTokens == 128) WgmmaM64N128K16RegisterA(d, a, desc_b, 1);
+}
+
+// Byte offset `offset` of a tile TMA wrote with 32-byte swizzling: the
+// 16-byte halves of a 32-byte row trade places every 128 bytes.
+__device__ __forceinline__ int Swizzled32(int offset) {
+  return offset ^ (((offset >> 7) & 1) << 4);
+}
+
+// x_map: x bf16 [M, K] in boxes of 64 x kTokens, 128-byte swizzle;
+// codes_map: uint8 [N, K / 2] in boxes of 32 x 128, 32-byte swizzle;
+// scales_map: uint8 [N, K / 16] in boxes of 16 x 128. grid (token tiles,
+// weight tiles, splits), the splits one cluster (w4a16_plan.h).
+template <int kTokens, int kStages, int kBlocksPerSm, typename Out>
+__global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
+    W4A16Kernel(const __grid_constant__ CUtensorMap x_map,
+                const __grid_constant__ CUtensorMap codes_map,
+                const __grid_constant__ CUtensorMap scales_map,
+                const float* amax, Out* out, int m, int n, int k) {
+#if JAX_NVFP4_ENGINE_ARCH
+  using S = W4A16Shape<kTokens>;
+  using Ring =
+      engine::Ring<kStages, S::kXBytes, S::kCodeBytes + S::kScaleBytes>;
+  static_assert(kTokens * S::kTilePitch * 4 <= kStages * Ring::kStageBytes,
+                "the epilogue's tile fits in the ring");
+  extern __shared__ __align__(1024) uint8_t shared_raw[];
+  Ring ring(shared_raw);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int token0 = blockIdx.x * kTokens, row0 = blockIdx.y * S::kRows;
+  int block_begin, block_end;
+  W4A16SliceBlocks(k, blockIdx.z, gridDim.z, &block_begin, &block_end);
+  if (threadIdx.x == 0) ring.Init();
+  __syncthreads();
+
+  float acc[kTokens / 2];
+#pragma unroll
+  for (int i = 0; i < kTokens / 2; ++i) acc[i] = 0.f;
+  if (warp == 8) {  // the producer
+    if (lane == 0) {
+      int slot = 0;
+      for (int b = block_begin; b < block_end; ++b) {
+        for (int q = 0; q < 4; ++q, ++slot) {
+          const int step = 4 * b + q;
+          const int s = ring.Fill(
+              slot, S::kXBytes + S::kCodeBytes + (q == 0 ? S::kScaleBytes : 0));
+          TmaLoad2d(ring.TileA(s), &x_map, &ring.full[s], step * S::kBlockK,
+                    token0);
+          TmaLoad2d(ring.TileB(s), &codes_map, &ring.full[s],
+                    step * S::kBlockK / 2, row0);
+          if (q == 0) {
+            TmaLoad2d(ring.TileB(s) + S::kCodeBytes, &scales_map, &ring.full[s],
+                      b * kW4A16ScaleK / 16, row0);
+          }
+        }
+      }
+    }
+  } else {
+    // Consumer warpgroup `half`: weight rows half * 64 .. + 63; this
+    // thread's rows r and r + 8 (wgmma's A layout), k16 columns 2t, 2t + 1,
+    // 2t + 8, 2t + 9.
+    const int half = warp / 4, t = lane % 4;
+    const int r = half * 64 + (warp % 4) * 16 + lane / 4;
+    const uint32_t pick = t | (t + 4) << 4;  // byte t of two words
+    uint32_t fragments[2][4][4];
+    uint4 scales_r = {}, scales_r8 = {};  // a block's 16 scales, per row
+    int slot = 0, previous = -1;
+    // Stage q (0..3) of a 256-element block: its four k16 steps.
+    const auto stage = [&](auto q_constant, uint32_t (&f)[4][4]) {
+      constexpr int q = decltype(q_constant)::value;
+      const int s = ring.Take(slot);
+      const uint8_t* codes = ring.TileB(s);
+      if constexpr (q == 0) {
+        const uint8_t* scales = codes + S::kCodeBytes;
+        scales_r = *reinterpret_cast<const uint4*>(scales + r * 16);
+        scales_r8 = *reinterpret_cast<const uint4*>(scales + (r + 8) * 16);
+      }
+      // Step j's scale is byte j of word q.
+      const uint32_t scale_words[2] = {q == 0   ? scales_r.x
+                                       : q == 1 ? scales_r.y
+                                       : q == 2 ? scales_r.z
+                                                : scales_r.w,
+                                       q == 0   ? scales_r8.x
+                                       : q == 1 ? scales_r8.y
+                                       : q == 2 ? scales_r8.z
+                                                : scales_r8.w};
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {  // 16 bytes of a row: steps 2c, 2c + 1
+        const uint4 row = *reinterpret_cast<const uint4*>(
+            codes + Swizzled32(r * 32 + c * 16));
+        const uint4 row8 = *reinterpret_cast<const uint4*>(
+            codes + Swizzled32((r + 8) * 32 + c * 16));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * c + h;
+          // Bytes t and t + 4 of the step's 8 (columns 2t, 2t + 1 and
+          // 2t + 8, 2t + 9) of row r, then of row r + 8.
+          const uint32_t codes_r =
+              __byte_perm(h ? row.z : row.x, h ? row.w : row.y, pick);
+          const uint32_t codes_r8 =
+              __byte_perm(h ? row8.z : row8.x, h ? row8.w : row8.y, pick);
+          uint32_t scale_r, scale_r8;
+          ScalePairsBf16(
+              __byte_perm(scale_words[0], scale_words[1], j | (j + 4) << 4),
+              scale_r, scale_r8);
+          const uint4 v = DecodeCodes8Bf16(
+              __byte_perm(codes_r, codes_r8, 0x5410), scale_r, scale_r8);
+          f[j][0] = v.x;  // row r, columns 2t, 2t + 1
+          f[j][1] = v.z;  // row r + 8
+          f[j][2] = v.y;  // row r, columns 2t + 8, 2t + 9
+          f[j][3] = v.w;  // row r + 8
+        }
+      }
+      WgmmaFence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        WgmmaRegisterA<kTokens>(acc, f[j],
+                                SwizzledOperand(ring.TileA(s) + j * 32));
+      }
+      WgmmaCommit();
+      // The previous stage's wgmma are done: its slot goes back to the
+      // producer, and its fragments are free for the next stage.
+      WgmmaWait<1>();
+      if (threadIdx.x % 128 == 0 && previous >= 0) ring.Release(previous);
+      previous = s;
+      ++slot;
+    };
+    for (int b = block_begin; b < block_end; ++b) {
+      stage(std::integral_constant<int, 0>{}, fragments[0]);
+      stage(std::integral_constant<int, 1>{}, fragments[1]);
+      stage(std::integral_constant<int, 2>{}, fragments[0]);
+      stage(std::integral_constant<int, 3>{}, fragments[1]);
+    }
+    WgmmaWait<0>();
+  }
+  // Every stage was consumed, so no copy still writes the ring: the tile
+  // takes its place.
+  __syncthreads();
+  float* tile = reinterpret_cast<float*>(ring.TileA(0));
+  if (warp < 8) {
+    const int half = warp / 4, t = lane % 4;
+    const int r = half * 64 + (warp % 4) * 16 + lane / 4;
+#pragma unroll
+    for (int i = 0; i < kTokens / 2; ++i) {
+      const int token = (i / 4) * 8 + 2 * t + i % 2;
+      tile[token * S::kTilePitch + r + 8 * ((i / 2) % 2)] = acc[i];
+    }
+  }
+  const int splits = gridDim.z;
+  if (splits > 1) {
+    ClusterSync();
+  } else {
+    __syncthreads();
+  }
+  // This CTA's share of the tile's 4-row groups, summed over the slices.
+  constexpr int kGroups = kTokens * S::kRows / 4;
+  const int first = kGroups * blockIdx.z / splits;
+  const int last = kGroups * (blockIdx.z + 1) / splits;
+  const float alpha = amax[0] / kScaleRange;  // IEEE division (no fast-math)
+  for (int e = first + threadIdx.x; e < last; e += kW4A16Threads) {
+    const int token = e / (S::kRows / 4), col = (e % (S::kRows / 4)) * 4;
+    const float* local = tile + token * S::kTilePitch + col;
+    float4 sum = splits > 1 ? ClusterLoad(SmemAddress(local), 0)
+                            : *reinterpret_cast<const float4*>(local);
+    for (int z = 1; z < splits; ++z) {
+      const float4 p = ClusterLoad(SmemAddress(local), z);
+      sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
+    }
+    sum.x *= alpha, sum.y *= alpha, sum.z *= alpha, sum.w *= alpha;
+    const int64_t row = int64_t{token0} + token, column = int64_t{row0} + col;
+    if (row >= m || column >= n) continue;
+    Out* dst = out + row * n + column;
+    if (n % 4 == 0) {  // the row's 4 outputs are inside N, aligned
+      StoreQuad(dst, sum);
+    } else {
+      const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+      for (int c = 0; c < 4 && column + c < n; ++c) StoreOne(dst + c, v[c]);
+    }
+  }
+  // No CTA leaves while the others may still read its tile.
+  if (splits > 1) ClusterSync();
+#endif  // JAX_NVFP4_ENGINE_ARCH
+}
+
+// The three tensor maps of a call. False if the driver rejects one.
+inline bool W4A16Maps(const void* x, const void* codes, const void* scales,
+                      int64_t m, int64_t n, int64_t k, int tokens,
+                      CUtensorMap* x_map, CUtensorMap* codes_map,
+                      CUtensorMap* scales_map) {
+  const uint64_t x_dims[] = {uint64_t(k), uint64_t(m)};
+  const uint32_t x_box[] = {kW4A16BlockK, uint32_t(tokens)};
+  const uint64_t code_dims[] = {uint64_t(k / 2), uint64_t(n)};
+  const uint32_t code_box[] = {kW4A16BlockK / 2, kW4A16WeightRows};
+  const uint64_t scale_dims[] = {uint64_t(k / 16), uint64_t(n)};
+  const uint32_t scale_box[] = {kW4A16ScaleK / 16, kW4A16WeightRows};
+  return Bf16TensorMap(x, 2, x_dims, x_box, CU_TENSOR_MAP_SWIZZLE_128B,
+                       x_map) &&
+         ByteTensorMap(codes, 2, code_dims, code_box, CU_TENSOR_MAP_SWIZZLE_32B,
+                       codes_map) &&
+         ByteTensorMap(scales, 2, scale_dims, scale_box,
+                       CU_TENSOR_MAP_SWIZZLE_NONE, scales_map);
+}
+
+template <int kTokens, int kStages, int kBlocksPerSm, typename Out>
+cudaError_t LaunchW4A16Config(const W4A16Plan& plan, const CUtensorMap& x_map,
+                              const CUtensorMap& codes_map,
+                              const CUtensorMap& scales_map, const float* amax,
+                              Out* out, int m, int n, int k,
+                              cudaStream_t stream) {
+  static_assert(W4A16SharedBytes(kTokens, kStages) ==
+                    Ring<kStages, W4A16Shape<kTokens>::kXBytes,
+                         W4A16Shape<kTokens>::kCodeBytes +
+                             W4A16Shape<kTokens>::kScaleBytes>::kSharedBytes,
+                "w4a16_plan.h sizes the ring the kernel lays out");
+  const auto kernel = W4A16Kernel<kTokens, kStages, kBlocksPerSm, Out>;
+  cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(plan.shared_bytes));
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(plan.token_tiles),
+                        static_cast<unsigned>(plan.weight_tiles),
+                        static_cast<unsigned>(plan.splits));
+  config.blockDim = dim3(kW4A16Threads);
+  config.dynamicSmemBytes = static_cast<size_t>(plan.shared_bytes);
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = 1;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = static_cast<unsigned>(plan.splits);
+  config.attrs = cluster;
+  config.numAttrs = plan.splits > 1 ? 1 : 0;
+  e = cudaLaunchKernelEx(&config, kernel, x_map, codes_map, scales_map, amax,
+                         out, m, n, k);
+  return e != cudaSuccess ? e : cudaGetLastError();
+}
+
+// The kernel in the configuration the plan chose (ChooseW4A16Config).
+template <typename Out>
+cudaError_t LaunchW4A16(const W4A16Plan& plan, const CUtensorMap& x_map,
+                        const CUtensorMap& codes_map,
+                        const CUtensorMap& scales_map, const float* amax,
+                        Out* out, int m, int n, int k, cudaStream_t stream) {
+  const W4A16Config c = plan.config;
+#define JAX_NVFP4_W4A16_CONFIG(T, S, B)                                        \
+  if (c.tokens == T && c.stages == S && c.blocks_per_sm == B) {                \
+    return LaunchW4A16Config<T, S, B, Out>(plan, x_map, codes_map, scales_map, \
+                                           amax, out, m, n, k, stream);        \
+  }
+  JAX_NVFP4_W4A16_CONFIG(16, 12, 2)
+  JAX_NVFP4_W4A16_CONFIG(32, 10, 2)
+  JAX_NVFP4_W4A16_CONFIG(64, 7, 2)
+  JAX_NVFP4_W4A16_CONFIG(128, 9, 1)
+#undef JAX_NVFP4_W4A16_CONFIG
+  return cudaErrorInvalidConfiguration;
+}
+
+}  // namespace engine
+}  // namespace jax_nvfp4
+
+#endif  // JAX_NVFP4_FFI_GEMM_ENGINE_W4A16_CUH_

@@ -1,0 +1,111 @@
+// The weight-only NVFP4 GEMM of serving (W4A16) on the Hopper engine
+// (sm_90a): FFI target "jax_nvfp4_matmul_w4a16_sm90", the product of
+// jax_nvfp4_matmul_w4a16 (ffi/gemm/mma/w4a16_gemm.cu) on wgmma and TMA,
+//
+//   out[m, n] = (amax / 2688) * sum_k x[m, k] * e2m1(w[n, k]) * s[n, k / 16]
+//
+// x bf16 [M, K]; codes uint8 [N, K / 2]; E4M3 scales [N, K / 16]; amax
+// float32 [1]; out bf16, f16 or f32 [M, N]. The weight is decoded in
+// registers (w4a16.cuh); no workspace, no bf16 copy of the weight. Python
+// picks this target only on compute capability 9.0 and for K a multiple of
+// 256 (w4a16_plan.h); the checks here keep a malformed call from reading
+// or writing out of bounds.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "bindings.h"
+#include "checks.h"
+#include "cuda/launch.cuh"
+#include "gemm/engine/hopper.h"
+#include "gemm/engine/w4a16.cuh"
+#include "gemm/engine/w4a16_plan.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_nvfp4 {
+namespace {
+
+ffi::Error MatmulW4A16Sm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::U8> codes,
+                               ffi::AnyBuffer scales,
+                               ffi::Buffer<ffi::F32> amax,
+                               ffi::Result<ffi::AnyBuffer> out) {
+  const auto xd = x.dimensions(), cd = codes.dimensions();
+  const auto od = out->dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || od.size() != 2 ||
+      cd[1] * 2 != xd[1] || od[0] != xd[0] || od[1] != cd[0] ||
+      scales.element_count() != cd[0] * xd[1] / 16 ||
+      scales.element_type() != ffi::DataType::F8E4M3FN ||
+      amax.element_count() != 1) {
+    return InvalidArgument(
+        "matmul_w4a16_sm90 expects x bf16 [M, K], codes u8 [N, K/2], e4m3 "
+        "scales [N, K/16], amax f32 [1] and out [M, N]");
+  }
+  const int64_t m = xd[0], n = cd[0], k = xd[1];
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const int sms = engine::HopperSms();
+  if (sms == 0) {
+    return InvalidArgument(
+        "matmul_w4a16_sm90 runs on compute capability 9.0 GPUs only (the "
+        "dispatcher picks another W4A16 GEMM elsewhere)");
+  }
+  engine::W4A16Plan plan;
+  const std::string error = engine::PlanW4A16(m, n, k, sms, &plan);
+  if (!error.empty()) return InvalidArgument(error);
+  if (!IsAligned(x.typed_data(), 16) || !IsAligned(codes.typed_data(), 16) ||
+      !IsAligned(scales.untyped_data(), 16) ||
+      !IsAligned(out->untyped_data(), 16)) {
+    return InvalidArgument("matmul_w4a16_sm90 needs 16-byte aligned operands");
+  }
+  CUtensorMap x_map, codes_map, scales_map;
+  if (!engine::W4A16Maps(x.typed_data(), codes.typed_data(),
+                         scales.untyped_data(), m, n, k, plan.config.tokens,
+                         &x_map, &codes_map, &scales_map)) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "jax_nvfp4: matmul_w4a16_sm90 could not encode its "
+                      "tensor maps (a CUDA driver of 12.0 or newer?)");
+  }
+  const auto launch = [&](auto* typed_out) {
+    return engine::LaunchW4A16(plan, x_map, codes_map, scales_map,
+                               amax.typed_data(), typed_out, int(m), int(n),
+                               int(k), stream);
+  };
+  cudaError_t launched;
+  switch (out->element_type()) {
+    case ffi::DataType::BF16:
+      launched = launch(static_cast<__nv_bfloat16*>(out->untyped_data()));
+      break;
+    case ffi::DataType::F16:
+      launched = launch(static_cast<__half*>(out->untyped_data()));
+      break;
+    case ffi::DataType::F32:
+      launched = launch(static_cast<float*>(out->untyped_data()));
+      break;
+    default:
+      return InvalidArgument(
+          "matmul_w4a16_sm90: the output must be bfloat16, float16 or "
+          "float32");
+  }
+  if (launched != cudaSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("jax_nvfp4: matmul_w4a16_sm90's launch "
+                                  "failed: ") +
+                          cudaGetErrorString(launched));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_nvfp4
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4MatmulW4A16Sm90Cuda, jax_nvfp4::MatmulW4A16Sm90Cuda,
+    jax_nvfp4::MatmulW4A16Sm90Binding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});

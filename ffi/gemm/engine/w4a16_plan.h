@@ -1,0 +1,125 @@
+// The launch plan of the engine's W4A16 GEMM (w4a16.cuh, handler
+// w4a16_gemm.cu), free of CUDA so that CPU tests check it.
+//
+// The weight is wgmma's M side: a CTA owns 128 weight rows (two consumer
+// warpgroups of 64) and `tokens` rows of x (wgmma's N: 16, 32, 64 or 128,
+// the smallest that holds M, so that one token fills an n16 tile), over
+// a range of K in steps of 64. The grid is (token tiles, weight tiles,
+// splits): token tiles vary fastest, so the CTAs that share a weight tile
+// run together and read it from HBM once. When the tiles alone leave
+// multiprocessors idle (few tokens, few weight rows), K is split into up to
+// 8 slices of whole 256-element blocks; the slices of a tile form one
+// thread-block cluster and add their partial sums through distributed
+// shared memory in slice order, so the result is deterministic and no
+// workspace exists.
+#ifndef JAX_NVFP4_FFI_GEMM_ENGINE_W4A16_PLAN_H_
+#define JAX_NVFP4_FFI_GEMM_ENGINE_W4A16_PLAN_H_
+
+#include <cstdint>
+#include <string>
+
+#if defined(__CUDACC__)
+#define W4A16_PLAN_HD __host__ __device__ __forceinline__
+#else
+#define W4A16_PLAN_HD inline
+#endif
+
+namespace jax_nvfp4 {
+namespace engine {
+
+inline constexpr int kW4A16WeightRows = 128;  // per CTA
+inline constexpr int kW4A16BlockK = 64;       // elements of K per stage
+// The scales of 256 elements of K: TMA's 16-byte minimum row of a box.
+inline constexpr int kW4A16ScaleK = 256;
+inline constexpr int kW4A16MaxSplits = 8;  // a portable cluster
+inline constexpr int kW4A16Threads = 288;  // two consumer warpgroups, a warp
+inline constexpr int64_t kW4A16MaxGridY = 65535;
+
+struct W4A16Config {
+  int tokens;         // rows of x per tile
+  int stages;         // depth of the shared-memory ring
+  int blocks_per_sm;  // CTAs a multiprocessor holds at once
+};
+
+// Bytes of one ring stage: x's tile, the codes' tile and the scales' tile
+// (loaded on a 256-element block's first stage only).
+constexpr int64_t W4A16StageBytes(int tokens) {
+  return int64_t{tokens} * kW4A16BlockK * 2 +
+         int64_t{kW4A16WeightRows} * kW4A16BlockK / 2 +
+         int64_t{kW4A16WeightRows} * kW4A16ScaleK / 16;
+}
+
+// Dynamic shared memory of a configuration: the ring, its barriers and the
+// 1024-byte alignment of the swizzled tiles. The epilogue reuses the ring.
+constexpr int64_t W4A16SharedBytes(int tokens, int stages) {
+  return stages * W4A16StageBytes(tokens) + 2 * 8 * stages + 1024;
+}
+
+// Few tokens: two CTAs per multiprocessor (at most 112 registers a thread),
+// so that one CTA's ring fills while the other's drains and about 200 KB of
+// the weight are in flight per multiprocessor. 128 tokens: one CTA with a
+// deeper ring, room for 64 accumulators a thread.
+inline W4A16Config ChooseW4A16Config(int64_t m) {
+  if (m <= 16) return {16, 12, 2};
+  if (m <= 32) return {32, 10, 2};
+  if (m <= 64) return {64, 7, 2};
+  return {128, 9, 1};
+}
+
+struct W4A16Plan {
+  W4A16Config config{};
+  int64_t token_tiles = 0;   // grid.x
+  int64_t weight_tiles = 0;  // grid.y
+  int64_t splits = 0;        // grid.z, the cluster's size
+  int64_t shared_bytes = 0;
+};
+
+// Empty on success; otherwise what the caller must change. `sms`: the
+// device's multiprocessors.
+inline std::string PlanW4A16(int64_t m, int64_t n, int64_t k, int sms,
+                             W4A16Plan* p) {
+  if (m < 1 || n < 1 || k < 1) {
+    return "matmul_w4a16_sm90 needs M, N and K of at least 1";
+  }
+  if (k % kW4A16ScaleK != 0) {
+    return "matmul_w4a16_sm90 needs K a multiple of 256 (its scales are "
+           "read 16 bytes a row), got K = " +
+           std::to_string(k);
+  }
+  if (m > (int64_t{1} << 31) - 1 || k > (int64_t{1} << 31) - 1 ||
+      n > kW4A16MaxGridY * kW4A16WeightRows) {
+    return "matmul_w4a16_sm90 takes M and K below 2^31 and N at most " +
+           std::to_string(kW4A16MaxGridY * kW4A16WeightRows);
+  }
+  const W4A16Config c = ChooseW4A16Config(m);
+  p->config = c;
+  p->token_tiles = (m + c.tokens - 1) / c.tokens;
+  p->weight_tiles = (n + kW4A16WeightRows - 1) / kW4A16WeightRows;
+  // Split K while the tiles fill at most half the CTAs the GPU holds and
+  // every slice keeps at least two 256-element blocks.
+  const int64_t tiles = p->token_tiles * p->weight_tiles;
+  const int64_t slots = int64_t{sms} * c.blocks_per_sm;
+  const int64_t blocks = k / kW4A16ScaleK;
+  p->splits = 1;
+  while (p->splits < kW4A16MaxSplits && tiles * p->splits * 2 <= slots &&
+         blocks >= 4 * p->splits) {
+    p->splits *= 2;
+  }
+  p->shared_bytes = W4A16SharedBytes(c.tokens, c.stages);
+  return "";
+}
+
+// The 256-element blocks of K that slice `split` of `splits` sums.
+W4A16_PLAN_HD void W4A16SliceBlocks(int64_t k, int split, int splits,
+                                    int* begin, int* end) {
+  const int64_t blocks = k / kW4A16ScaleK;
+  *begin = static_cast<int>(blocks * split / splits);
+  *end = static_cast<int>(blocks * (split + 1) / splits);
+}
+
+}  // namespace engine
+}  // namespace jax_nvfp4
+
+#undef W4A16_PLAN_HD
+
+#endif  // JAX_NVFP4_FFI_GEMM_ENGINE_W4A16_PLAN_H_
