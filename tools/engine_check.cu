@@ -11,6 +11,7 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
 //     -o /tmp/engine_check tools/engine_check.cu && /tmp/engine_check
 //   /tmp/engine_check small   # the small cases only (compute-sanitizer)
+//   /tmp/engine_check w4a16 M N K   # one W4A16 GEMM, timed (for ncu)
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -352,7 +353,7 @@ static void W4A16(int m, int n, int k, bool check, int sms, int copies = 1) {
   for (int c = 0; c < copies; ++c) {
     if (!engine::W4A16Maps(x, codes + size_t(c) * n * k / 2,
                            scales + size_t(c) * n * k / 16, m, n, k,
-                           plan.config.tokens, &maps[3 * c], &maps[3 * c + 1],
+                           plan.config, &maps[3 * c], &maps[3 * c + 1],
                            &maps[3 * c + 2])) {
       printf("cuTensorMapEncodeTiled failed\n");
       exit(1);
@@ -393,6 +394,11 @@ int main(int argc, char** argv) {
   const bool small = argc > 1 && std::string(argv[1]) == "small";
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (argc == 5 && std::string(argv[1]) == "w4a16") {
+    W4A16<__nv_bfloat16>(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), false,
+                         sms, 4);
+    return 0;
+  }
   const std::vector<int> moe = {10922, 5461, 10922, 5461,
                                 10922, 5461, 10922, 5465};  // moe_bench's 2:1
   Rows<float>({40, 24, 0, 32, 50, 30, 48, 32}, 256, 128, true, sms);

@@ -600,13 +600,14 @@ def test_handler_folds_the_batch_into_rows():
 @needs_handler
 @pytest.mark.gpu
 def test_matmul_dispatch_on_gpu():
-    """Few rows take the handler, many the cuBLASLt path, K off 128 the
-    cuBLASLt path, one weight per item the cuBLASLt batch: all equal the
-    exact sums."""
+    """On an H100/H200 the engine at any M; elsewhere few rows take the
+    handler, many the cuBLASLt path; K off 128 the cuBLASLt path, one weight
+    per item the cuBLASLt batch: all equal the exact sums."""
     cublaslt = [DECODE, GRAPH_GEMM] if bf16_gemm.cublaslt_gemm_supported() else []
+    engine = w4a16_gemm.engine_supported(256)
     cases = [
-        (8, 256, [HANDLER]),
-        (w4a16_gemm.MAX_HANDLER_ROWS + 16, 256, cublaslt),
+        (8, 256, [ENGINE] if engine else [HANDLER]),
+        (w4a16_gemm.MAX_HANDLER_ROWS + 16, 256, [ENGINE] if engine else cublaslt),
         (8, 80, cublaslt),
     ]
     for m, k, calls in cases:

@@ -44,15 +44,21 @@
 namespace jax_nvfp4 {
 namespace engine {
 
-template <int kTokens>
+template <int kTokens, int kBlockK>
 struct W4A16Shape {
-  static constexpr int kRows = kW4A16WeightRows, kBlockK = kW4A16BlockK;
-  static constexpr int kCodeBytes = kRows * kBlockK / 2;         // 32-byte rows
+  static constexpr int kRows = kW4A16WeightRows;
+  static constexpr int kCodePitch = kBlockK / 2;  // bytes of a row's codes
+  static constexpr int kCodeBytes = kRows * kCodePitch;
   static constexpr int kScaleBytes = kRows * kW4A16ScaleK / 16;  // 16-byte
-  static constexpr int kXBytes = kTokens * kBlockK * 2;  // 128-byte rows
+  static constexpr int kXBox = kTokens * 64 * 2;  // 64 elements of K
+  static constexpr int kXBytes = kXBox * (kBlockK / 64);
+  // Stages per 256-element block of scales; 64-element steps per stage.
+  static constexpr int kStagesPerBlock = kW4A16ScaleK / kBlockK;
+  static constexpr int kSteps = kBlockK / 64;
   // The transposed float32 tile of the epilogue: a row of 128 weight rows
   // per token, padded so that a warp's stores hit 32 banks.
   static constexpr int kTilePitch = kRows + 4;
+  static_assert(kBlockK == 64 || kBlockK == 256, "stages of 64 or 256");
 };
 
 // wgmma m64n{kTokens}k16 with A from registers.
@@ -66,24 +72,34 @@ __device__ __forceinline__ void WgmmaRegisterA(float (&d)[kTokens / 2],
   if constexpr (kTokens == 128) WgmmaM64N128K16RegisterA(d, a, desc_b, 1);
 }
 
-// Byte offset `offset` of a tile TMA wrote with 32-byte swizzling: the
-// 16-byte halves of a 32-byte row trade places every 128 bytes.
-__device__ __forceinline__ int Swizzled32(int offset) {
-  return offset ^ (((offset >> 7) & 1) << 4);
+// Byte offset `offset` of a tile of kPitch-byte rows (32, 64 or 128) that
+// TMA wrote with the swizzle of that width: the 16-byte pieces of a row
+// trade places by the row's index within 1024 bytes.
+template <int kPitch>
+__device__ __forceinline__ int Swizzled(int offset) {
+  return offset ^ (((offset >> 7) & (kPitch / 16 - 1)) << 4);
+}
+
+template <int kPitch>
+constexpr CUtensorMapSwizzle SwizzleOf() {
+  return kPitch == 32   ? CU_TENSOR_MAP_SWIZZLE_32B
+         : kPitch == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                        : CU_TENSOR_MAP_SWIZZLE_128B;
 }
 
 // x_map: x bf16 [M, K] in boxes of 64 x kTokens, 128-byte swizzle;
-// codes_map: uint8 [N, K / 2] in boxes of 32 x 128, 32-byte swizzle;
-// scales_map: uint8 [N, K / 16] in boxes of 16 x 128. grid (token tiles,
-// weight tiles, splits), the splits one cluster (w4a16_plan.h).
-template <int kTokens, int kStages, int kBlocksPerSm, typename Out>
+// codes_map: uint8 [N, K / 2] in boxes of kBlockK / 2 x 128, swizzled by
+// that width; scales_map: uint8 [N, K / 16] in boxes of 16 x 128. grid
+// (token tiles, weight tiles, splits), the splits one cluster
+// (w4a16_plan.h).
+template <int kTokens, int kBlockK, int kStages, int kBlocksPerSm, typename Out>
 __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
     W4A16Kernel(const __grid_constant__ CUtensorMap x_map,
                 const __grid_constant__ CUtensorMap codes_map,
                 const __grid_constant__ CUtensorMap scales_map,
                 const float* amax, Out* out, int m, int n, int k) {
 #if JAX_NVFP4_ENGINE_ARCH
-  using S = W4A16Shape<kTokens>;
+  using S = W4A16Shape<kTokens, kBlockK>;
   using Ring =
       engine::Ring<kStages, S::kXBytes, S::kCodeBytes + S::kScaleBytes>;
   static_assert(kTokens * S::kTilePitch * 4 <= kStages * Ring::kStageBytes,
@@ -104,14 +120,15 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
     if (lane == 0) {
       int slot = 0;
       for (int b = block_begin; b < block_end; ++b) {
-        for (int q = 0; q < 4; ++q, ++slot) {
-          const int step = 4 * b + q;
+        for (int q = 0; q < S::kStagesPerBlock; ++q, ++slot) {
+          const int k0 = b * kW4A16ScaleK + q * kBlockK;
           const int s = ring.Fill(
               slot, S::kXBytes + S::kCodeBytes + (q == 0 ? S::kScaleBytes : 0));
-          TmaLoad2d(ring.TileA(s), &x_map, &ring.full[s], step * S::kBlockK,
-                    token0);
-          TmaLoad2d(ring.TileB(s), &codes_map, &ring.full[s],
-                    step * S::kBlockK / 2, row0);
+          for (int u = 0; u < S::kSteps; ++u) {
+            TmaLoad2d(ring.TileA(s) + u * S::kXBox, &x_map, &ring.full[s],
+                      k0 + u * 64, token0);
+          }
+          TmaLoad2d(ring.TileB(s), &codes_map, &ring.full[s], k0 / 2, row0);
           if (q == 0) {
             TmaLoad2d(ring.TileB(s) + S::kCodeBytes, &scales_map, &ring.full[s],
                       b * kW4A16ScaleK / 16, row0);
@@ -128,18 +145,23 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
     const uint32_t pick = t | (t + 4) << 4;  // byte t of two words
     uint32_t fragments[2][4][4];
     uint4 scales_r = {}, scales_r8 = {};  // a block's 16 scales, per row
-    int slot = 0, previous = -1;
-    // Stage q (0..3) of a 256-element block: its four k16 steps.
-    const auto stage = [&](auto q_constant, uint32_t (&f)[4][4]) {
+    int slot = 0, stage = 0, previous = -1;
+    // Step q (0..3) of a 256-element block: four k16 steps, 64 elements,
+    // step u of its stage. Fragments alternate between two sets, so that
+    // a step's are decoded while the previous step's wgmma read theirs.
+    const auto step = [&](auto q_constant, uint32_t (&f)[4][4]) {
       constexpr int q = decltype(q_constant)::value;
-      const int s = ring.Take(slot);
-      const uint8_t* codes = ring.TileB(s);
-      if constexpr (q == 0) {
-        const uint8_t* scales = codes + S::kCodeBytes;
-        scales_r = *reinterpret_cast<const uint4*>(scales + r * 16);
-        scales_r8 = *reinterpret_cast<const uint4*>(scales + (r + 8) * 16);
+      constexpr int u = q % S::kSteps;
+      if constexpr (u == 0) {
+        stage = ring.Take(slot);
+        if constexpr (q == 0) {
+          const uint8_t* scales = ring.TileB(stage) + S::kCodeBytes;
+          scales_r = *reinterpret_cast<const uint4*>(scales + r * 16);
+          scales_r8 = *reinterpret_cast<const uint4*>(scales + (r + 8) * 16);
+        }
       }
-      // Step j's scale is byte j of word q.
+      const uint8_t* codes = ring.TileB(stage);
+      // k16 step j's scale is byte j of word q.
       const uint32_t scale_words[2] = {q == 0   ? scales_r.x
                                        : q == 1 ? scales_r.y
                                        : q == 2 ? scales_r.z
@@ -149,15 +171,16 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
                                        : q == 2 ? scales_r8.z
                                                 : scales_r8.w};
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {  // 16 bytes of a row: steps 2c, 2c + 1
+      for (int c = 0; c < 2; ++c) {  // 16 bytes of a row: k16 steps 2c, 2c + 1
+        const int piece = (2 * u + c) * 16;
         const uint4 row = *reinterpret_cast<const uint4*>(
-            codes + Swizzled32(r * 32 + c * 16));
+            codes + Swizzled<S::kCodePitch>(r * S::kCodePitch + piece));
         const uint4 row8 = *reinterpret_cast<const uint4*>(
-            codes + Swizzled32((r + 8) * 32 + c * 16));
+            codes + Swizzled<S::kCodePitch>((r + 8) * S::kCodePitch + piece));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int j = 2 * c + h;
-          // Bytes t and t + 4 of the step's 8 (columns 2t, 2t + 1 and
+          // Bytes t and t + 4 of the k16 step's 8 (columns 2t, 2t + 1 and
           // 2t + 8, 2t + 9) of row r, then of row r + 8.
           const uint32_t codes_r =
               __byte_perm(h ? row.z : row.x, h ? row.w : row.y, pick);
@@ -176,24 +199,27 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
         }
       }
       WgmmaFence();
+      const uint8_t* x_tile = ring.TileA(stage) + u * S::kXBox;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        WgmmaRegisterA<kTokens>(acc, f[j],
-                                SwizzledOperand(ring.TileA(s) + j * 32));
+        WgmmaRegisterA<kTokens>(acc, f[j], SwizzledOperand(x_tile + j * 32));
       }
       WgmmaCommit();
-      // The previous stage's wgmma are done: its slot goes back to the
-      // producer, and its fragments are free for the next stage.
+      // The previous step's wgmma are done: its fragments are free for the
+      // next step and, at a stage's first step, the previous stage's slot
+      // goes back to the producer.
       WgmmaWait<1>();
-      if (threadIdx.x % 128 == 0 && previous >= 0) ring.Release(previous);
-      previous = s;
-      ++slot;
+      if constexpr (u == 0) {
+        if (threadIdx.x % 128 == 0 && previous >= 0) ring.Release(previous);
+        previous = stage;
+        ++slot;
+      }
     };
     for (int b = block_begin; b < block_end; ++b) {
-      stage(std::integral_constant<int, 0>{}, fragments[0]);
-      stage(std::integral_constant<int, 1>{}, fragments[1]);
-      stage(std::integral_constant<int, 2>{}, fragments[0]);
-      stage(std::integral_constant<int, 3>{}, fragments[1]);
+      step(std::integral_constant<int, 0>{}, fragments[0]);
+      step(std::integral_constant<int, 1>{}, fragments[1]);
+      step(std::integral_constant<int, 2>{}, fragments[0]);
+      step(std::integral_constant<int, 3>{}, fragments[1]);
     }
     WgmmaWait<0>();
   }
@@ -248,13 +274,15 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
 
 // The three tensor maps of a call. False if the driver rejects one.
 inline bool W4A16Maps(const void* x, const void* codes, const void* scales,
-                      int64_t m, int64_t n, int64_t k, int tokens,
-                      CUtensorMap* x_map, CUtensorMap* codes_map,
-                      CUtensorMap* scales_map) {
+                      int64_t m, int64_t n, int64_t k,
+                      const W4A16Config& config, CUtensorMap* x_map,
+                      CUtensorMap* codes_map, CUtensorMap* scales_map) {
   const uint64_t x_dims[] = {uint64_t(k), uint64_t(m)};
-  const uint32_t x_box[] = {kW4A16BlockK, uint32_t(tokens)};
+  const uint32_t x_box[] = {64, uint32_t(config.tokens)};
   const uint64_t code_dims[] = {uint64_t(k / 2), uint64_t(n)};
-  const uint32_t code_box[] = {kW4A16BlockK / 2, kW4A16WeightRows};
+  const uint32_t code_box[] = {uint32_t(config.block_k / 2), kW4A16WeightRows};
+  const CUtensorMapSwizzle code_swizzle =
+      config.block_k == 64 ? SwizzleOf<32>() : SwizzleOf<128>();
   const uint64_t scale_dims[] = {uint64_t(k / 16), uint64_t(n)};
   const uint32_t scale_box[] = {kW4A16ScaleK / 16, kW4A16WeightRows};
   return Bf16TensorMap(x, 2, x_dims, x_box, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -265,18 +293,18 @@ inline bool W4A16Maps(const void* x, const void* codes, const void* scales,
                        CU_TENSOR_MAP_SWIZZLE_NONE, scales_map);
 }
 
-template <int kTokens, int kStages, int kBlocksPerSm, typename Out>
+template <int kTokens, int kBlockK, int kStages, int kBlocksPerSm, typename Out>
 cudaError_t LaunchW4A16Config(const W4A16Plan& plan, const CUtensorMap& x_map,
                               const CUtensorMap& codes_map,
                               const CUtensorMap& scales_map, const float* amax,
                               Out* out, int m, int n, int k,
                               cudaStream_t stream) {
-  static_assert(W4A16SharedBytes(kTokens, kStages) ==
-                    Ring<kStages, W4A16Shape<kTokens>::kXBytes,
-                         W4A16Shape<kTokens>::kCodeBytes +
-                             W4A16Shape<kTokens>::kScaleBytes>::kSharedBytes,
+  using S = W4A16Shape<kTokens, kBlockK>;
+  static_assert(W4A16SharedBytes(kTokens, kBlockK, kStages) ==
+                    Ring<kStages, S::kXBytes,
+                         S::kCodeBytes + S::kScaleBytes>::kSharedBytes,
                 "w4a16_plan.h sizes the ring the kernel lays out");
-  const auto kernel = W4A16Kernel<kTokens, kStages, kBlocksPerSm, Out>;
+  const auto kernel = W4A16Kernel<kTokens, kBlockK, kStages, kBlocksPerSm, Out>;
   cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(plan.shared_bytes));
@@ -307,15 +335,16 @@ cudaError_t LaunchW4A16(const W4A16Plan& plan, const CUtensorMap& x_map,
                         const CUtensorMap& scales_map, const float* amax,
                         Out* out, int m, int n, int k, cudaStream_t stream) {
   const W4A16Config c = plan.config;
-#define JAX_NVFP4_W4A16_CONFIG(T, S, B)                                        \
-  if (c.tokens == T && c.stages == S && c.blocks_per_sm == B) {                \
-    return LaunchW4A16Config<T, S, B, Out>(plan, x_map, codes_map, scales_map, \
-                                           amax, out, m, n, k, stream);        \
+#define JAX_NVFP4_W4A16_CONFIG(T, K, S, B)                               \
+  if (c.tokens == T && c.block_k == K && c.stages == S &&                \
+      c.blocks_per_sm == B) {                                            \
+    return LaunchW4A16Config<T, K, S, B, Out>(                           \
+        plan, x_map, codes_map, scales_map, amax, out, m, n, k, stream); \
   }
-  JAX_NVFP4_W4A16_CONFIG(16, 12, 2)
-  JAX_NVFP4_W4A16_CONFIG(32, 10, 2)
-  JAX_NVFP4_W4A16_CONFIG(64, 7, 2)
-  JAX_NVFP4_W4A16_CONFIG(128, 9, 1)
+  JAX_NVFP4_W4A16_CONFIG(16, 256, 4, 2)
+  JAX_NVFP4_W4A16_CONFIG(32, 256, 3, 2)
+  JAX_NVFP4_W4A16_CONFIG(64, 256, 2, 2)
+  JAX_NVFP4_W4A16_CONFIG(128, 64, 9, 1)
 #undef JAX_NVFP4_W4A16_CONFIG
   return cudaErrorInvalidConfiguration;
 }

@@ -63,7 +63,7 @@ ffi::Error MatmulW4A16Sm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   }
   CUtensorMap x_map, codes_map, scales_map;
   if (!engine::W4A16Maps(x.typed_data(), codes.typed_data(),
-                         scales.untyped_data(), m, n, k, plan.config.tokens,
+                         scales.untyped_data(), m, n, k, plan.config,
                          &x_map, &codes_map, &scales_map)) {
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "jax_nvfp4: matmul_w4a16_sm90 could not encode its "

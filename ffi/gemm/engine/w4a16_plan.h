@@ -28,7 +28,6 @@ namespace jax_nvfp4 {
 namespace engine {
 
 inline constexpr int kW4A16WeightRows = 128;  // per CTA
-inline constexpr int kW4A16BlockK = 64;       // elements of K per stage
 // The scales of 256 elements of K: TMA's 16-byte minimum row of a box.
 inline constexpr int kW4A16ScaleK = 256;
 inline constexpr int kW4A16MaxSplits = 8;  // a portable cluster
@@ -37,33 +36,37 @@ inline constexpr int64_t kW4A16MaxGridY = 65535;
 
 struct W4A16Config {
   int tokens;         // rows of x per tile
+  int block_k;        // elements of K per stage: 64 or 256
   int stages;         // depth of the shared-memory ring
   int blocks_per_sm;  // CTAs a multiprocessor holds at once
 };
 
 // Bytes of one ring stage: x's tile, the codes' tile and the scales' tile
-// (loaded on a 256-element block's first stage only).
-constexpr int64_t W4A16StageBytes(int tokens) {
-  return int64_t{tokens} * kW4A16BlockK * 2 +
-         int64_t{kW4A16WeightRows} * kW4A16BlockK / 2 +
+// of 256 elements (loaded on such a block's first stage only).
+constexpr int64_t W4A16StageBytes(int tokens, int block_k) {
+  return int64_t{tokens} * block_k * 2 +
+         int64_t{kW4A16WeightRows} * block_k / 2 +
          int64_t{kW4A16WeightRows} * kW4A16ScaleK / 16;
 }
 
 // Dynamic shared memory of a configuration: the ring, its barriers and the
 // 1024-byte alignment of the swizzled tiles. The epilogue reuses the ring.
-constexpr int64_t W4A16SharedBytes(int tokens, int stages) {
-  return stages * W4A16StageBytes(tokens) + 2 * 8 * stages + 1024;
+constexpr int64_t W4A16SharedBytes(int tokens, int block_k, int stages) {
+  return stages * W4A16StageBytes(tokens, block_k) + 2 * 8 * stages + 1024;
 }
 
-// Few tokens: two CTAs per multiprocessor (at most 112 registers a thread),
-// so that one CTA's ring fills while the other's drains and about 200 KB of
-// the weight are in flight per multiprocessor. 128 tokens: one CTA with a
-// deeper ring, room for 64 accumulators a thread.
+// Up to 64 tokens the GEMM is bound by the weight's bytes: stages of 256
+// elements of K, so that TMA reads 128 contiguous bytes of each weight row
+// (shorter rows leave HBM and the copy engine at a fraction of their rate),
+// and two CTAs per multiprocessor (at most 112 registers a thread), so that
+// one CTA's ring fills while the other's drains. 128 tokens: compute-bound,
+// one CTA with a deeper ring of shorter stages and room for 64 accumulators
+// a thread.
 inline W4A16Config ChooseW4A16Config(int64_t m) {
-  if (m <= 16) return {16, 12, 2};
-  if (m <= 32) return {32, 10, 2};
-  if (m <= 64) return {64, 7, 2};
-  return {128, 9, 1};
+  if (m <= 16) return {16, 256, 4, 2};
+  if (m <= 32) return {32, 256, 3, 2};
+  if (m <= 64) return {64, 256, 2, 2};
+  return {128, 64, 9, 1};
 }
 
 struct W4A16Plan {
@@ -105,7 +108,7 @@ inline std::string PlanW4A16(int64_t m, int64_t n, int64_t k, int sms,
          blocks >= 4 * p->splits) {
     p->splits *= 2;
   }
-  p->shared_bytes = W4A16SharedBytes(c.tokens, c.stages);
+  p->shared_bytes = W4A16SharedBytes(c.tokens, c.block_k, c.stages);
   return "";
 }
 
