@@ -287,7 +287,7 @@ inline bool W4A16Maps(const void* x, const void* codes, const void* scales,
   const uint32_t scale_box[] = {kW4A16ScaleK / 16, kW4A16WeightRows};
   return Bf16TensorMap(x, 2, x_dims, x_box, CU_TENSOR_MAP_SWIZZLE_128B,
                        x_map) &&
-         ByteTensorMap(codes, 2, code_dims, code_box, CU_TENSOR_MAP_SWIZZLE_32B,
+         ByteTensorMap(codes, 2, code_dims, code_box, code_swizzle,
                        codes_map) &&
          ByteTensorMap(scales, 2, scale_dims, scale_box,
                        CU_TENSOR_MAP_SWIZZLE_NONE, scales_map);
