@@ -47,11 +47,17 @@ __device__ __forceinline__ void ScalePairsBf16(uint32_t pair, uint32_t& first,
   // E4M3 -> f16 is exact (NaN stays NaN); f16 -> f32 too, and the scale's
   // 4 significant bits fit bfloat16.
   uint32_t halves;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;"
+  asm("{\n.reg .b16 low, high;\nmov.b32 {low, high}, %1;\n"
+      "cvt.rn.f16x2.e4m3x2 %0, low;\n}"
       : "=r"(halves)
-      : "h"(static_cast<unsigned short>(pair)));
-  first = ScaleBf16Pair(__half2float(__ushort_as_half(halves & 0xFFFFu)));
-  second = ScaleBf16Pair(__half2float(__ushort_as_half(halves >> 16)));
+      : "r"(pair));
+  float f0, f1;
+  asm("{\n.reg .b16 low, high;\nmov.b32 {low, high}, %2;\n"
+      "cvt.f32.f16 %0, low;\ncvt.f32.f16 %1, high;\n}"
+      : "=f"(f0), "=f"(f1)
+      : "r"(halves));
+  first = ScaleBf16Pair(f0);
+  second = ScaleBf16Pair(f1);
 #else
   first = ScaleBf16Pair(E4M3Decode(pair & 0xFFu));
   second = ScaleBf16Pair(E4M3Decode((pair >> 8) & 0xFFu));

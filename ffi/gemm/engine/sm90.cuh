@@ -28,6 +28,16 @@ __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// 16 bytes of shared memory at a shared-window address (32-bit address
+// arithmetic, no generic-to-shared conversion per load).
+__device__ __forceinline__ uint4 LoadShared16(uint32_t address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(address));
+  return v;
+}
+
 __device__ __forceinline__ void BarrierInit(uint64_t* bar, int arrivals) {
   asm volatile(
       "mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddress(bar)),

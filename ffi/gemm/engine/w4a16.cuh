@@ -143,6 +143,10 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
     const int half = warp / 4, t = lane % 4;
     const int r = half * 64 + (warp % 4) * 16 + lane / 4;
     const uint32_t pick = t | (t + 4) << 4;  // byte t of two words
+    // Row r's codes start r * kCodePitch bytes into a stage's tile; the
+    // swizzle moves its 16-byte pieces by the same key for rows r and r + 8.
+    const int row_offset = r * S::kCodePitch;
+    const int swizzle_key = Swizzled<S::kCodePitch>(row_offset) - row_offset;
     uint32_t fragments[2][4][4];
     uint4 scales_r = {}, scales_r8 = {};  // a block's 16 scales, per row
     int slot = 0, stage = 0, previous = -1;
@@ -155,12 +159,13 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
       if constexpr (u == 0) {
         stage = ring.Take(slot);
         if constexpr (q == 0) {
-          const uint8_t* scales = ring.TileB(stage) + S::kCodeBytes;
-          scales_r = *reinterpret_cast<const uint4*>(scales + r * 16);
-          scales_r8 = *reinterpret_cast<const uint4*>(scales + (r + 8) * 16);
+          const uint32_t scales =
+              SmemAddress(ring.TileB(stage)) + S::kCodeBytes;
+          scales_r = LoadShared16(scales + r * 16);
+          scales_r8 = LoadShared16(scales + (r + 8) * 16);
         }
       }
-      const uint8_t* codes = ring.TileB(stage);
+      const uint32_t codes = SmemAddress(ring.TileB(stage));
       // k16 step j's scale is byte j of word q.
       const uint32_t scale_words[2] = {q == 0   ? scales_r.x
                                        : q == 1 ? scales_r.y
@@ -173,10 +178,9 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {  // 16 bytes of a row: k16 steps 2c, 2c + 1
         const int piece = (2 * u + c) * 16;
-        const uint4 row = *reinterpret_cast<const uint4*>(
-            codes + Swizzled<S::kCodePitch>(r * S::kCodePitch + piece));
-        const uint4 row8 = *reinterpret_cast<const uint4*>(
-            codes + Swizzled<S::kCodePitch>((r + 8) * S::kCodePitch + piece));
+        const uint32_t address = codes + row_offset + (piece ^ swizzle_key);
+        const uint4 row = LoadShared16(address);
+        const uint4 row8 = LoadShared16(address + 8 * S::kCodePitch);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int j = 2 * c + h;
@@ -199,10 +203,12 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
         }
       }
       WgmmaFence();
-      const uint8_t* x_tile = ring.TileA(stage) + u * S::kXBox;
+      // k16 step j of x's tile is 32 bytes further: 2 in the descriptor's
+      // address field (16-byte units).
+      const uint64_t x_tile = SwizzledOperand(ring.TileA(stage) + u * S::kXBox);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        WgmmaRegisterA<kTokens>(acc, f[j], SwizzledOperand(x_tile + j * 32));
+        WgmmaRegisterA<kTokens>(acc, f[j], x_tile + 2 * j);
       }
       WgmmaCommit();
       // The previous step's wgmma are done: its fragments are free for the
