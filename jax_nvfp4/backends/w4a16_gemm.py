@@ -11,7 +11,8 @@ rounding to the output dtype.
 The GEMMs the W4A16 primitive (``jax_nvfp4.ops.w4a16_matmul``) lowers to on
 CUDA, as ``ops.dispatch`` chooses them. On compute capability 9.0 the Hopper
 engine's handler ``jax_nvfp4_matmul_w4a16_sm90``
-(ffi/gemm/engine/w4a16_gemm.cu) runs every M: the weight is wgmma's A
+(ffi/gemm/engine/w4a16_gemm.cu) runs 17 to ``MAX_ENGINE_ROWS`` rows (and
+fewer where the mma.sync handler cannot): the weight is wgmma's A
 operand, decoded in registers from codes and scales that TMA stages in
 shared memory, and x its B operand, so that a few tokens fill an n16 tile;
 K is split across a thread-block cluster when the tiles alone leave
@@ -41,6 +42,7 @@ from jax_nvfp4.format import SCALE_RANGE
 
 __all__ = [
     "ENGINE_TARGET",
+    "MAX_ENGINE_ROWS",
     "MAX_HANDLER_ROWS",
     "TARGET",
     "engine_supported",
@@ -53,6 +55,11 @@ MIN_CAPABILITY = (8, 0)  # bf16 mma.sync
 ENGINE_TARGET = "jax_nvfp4_matmul_w4a16_sm90"
 ENGINE_CAPABILITY = (9, 0)  # wgmma: sm_90a code runs on 9.0 alone
 ENGINE_K_MULTIPLE = 256  # TMA reads a weight row's scales 16 bytes at a time
+# Rows of x the engine serves (benchmarks/serving_bench.py): from 17 rows it
+# is the fastest NVFP4 path on the H200 (at 16 rows and fewer the mma.sync
+# handler is as fast or faster for most shapes); past about 600 rows the
+# decode is the larger cost and the cuBLASLt GEMM on the decoded weight wins.
+MAX_ENGINE_ROWS = 512
 # Rows of x up to which the handler runs (benchmarks/serving_bench.py): its
 # tiles hold at most 64 rows; past that the GEMM is compute-bound and the
 # cuBLASLt path is faster.

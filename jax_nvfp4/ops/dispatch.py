@@ -25,9 +25,10 @@ reference.
 Weight-only GEMM (the W4A16 primitive of serving, ``matmul(x_bf16,
 w_nvfp4)``), chosen when lowered for CUDA (``w4a16_path``, from the lowering
 context and the shapes): ``"engine"`` (the Hopper engine, the weight decoded
-in registers, ``w4a16_gemm``; every M, compute capability 9.0, K a multiple
-of 256), ``"handler"`` (the mma.sync kernel, the weight decoded in
-registers; few rows, from 8.0), ``"cublaslt"`` (the decoded weight, by the decode
+in registers, ``w4a16_gemm``; 17 to 512 rows, compute capability 9.0, K a
+multiple of 256), ``"handler"`` (the mma.sync kernel, the weight decoded in
+registers; up to 64 rows, from 8.0; it keeps 16 rows and fewer on Hopper
+too), ``"cublaslt"`` (the decoded weight, by the decode
 handler where it is built, and the cuBLASLt bf16 GEMM) or ``"xla"`` (the
 twin).
 
@@ -182,19 +183,24 @@ def w4a16_path(
         return "xla"  # nothing to multiply
     settings = config.settings()
     lowered_for = devices.lowering_devices(target)
-    if (
-        settings.w4a16_gemm
-        and settings.gemm_engine
-        and weights == 1
-        and w4a16_gemm.engine_supported(k, lowered_for)
-    ):
-        return "engine"
-    if (
+    handler = (
         settings.w4a16_gemm
         and weights == 1
         and rows <= w4a16_gemm.MAX_HANDLER_ROWS
         and w4a16_gemm.handler_supported(k, n, lowered_for)
-    ):
+    )
+    engine = (
+        settings.w4a16_gemm
+        and settings.gemm_engine
+        and weights == 1
+        and rows <= w4a16_gemm.MAX_ENGINE_ROWS
+        and w4a16_gemm.engine_supported(k, lowered_for)
+    )
+    # At 16 rows and fewer both decode the weight in registers at about the
+    # same speed; the mma.sync handler is the faster for most shapes.
+    if engine and not (handler and rows <= 16):
+        return "engine"
+    if handler:
         return "handler"
     if settings.cublaslt_gemm and bf16_gemm.cublaslt_gemm_supported(lowered_for):
         return "cublaslt"

@@ -415,19 +415,28 @@ def test_w4a16_path(monkeypatch):
     registered["cuda"] = frozenset({HANDLER})
     assert path(8, 256, 64, h100) == "handler"
     assert path(100, 256, 64, h100) == "xla"
+    registered["cuda"] = frozenset({HANDLER, ENGINE})
+    assert path(16, 256, 64, h100) == "handler"
+    assert path(17, 256, 64, h100) == "engine"
+    assert path(16, 256, 63, h100) == "engine"  # the handler needs N even
+    assert path(w4a16_gemm.MAX_ENGINE_ROWS, 256, 64, h100) == "engine"
+    assert path(w4a16_gemm.MAX_ENGINE_ROWS + 1, 256, 64, h100) == "xla"
 
 
 @lowering_for_cuda
 @pytest.mark.parametrize(
     "lead,k,n,capability,switches,want",
     [
-        ((1,), 256, 64, "9.0", {}, [ENGINE]),
-        ((3, 5), 512, 65, "9.0", {}, [ENGINE]),  # any N
-        ((2048,), 256, 64, "9.0", {}, [ENGINE]),  # every M
-        ((8,), 384, 64, "9.0", {}, [HANDLER]),  # K not a multiple of 256
-        ((8,), 256, 64, "10.0", {}, [HANDLER]),  # sm_90a code: 9.0 only
-        ((8,), 256, 64, "9.0", {"gemm_engine": False}, [HANDLER]),
-        ((8,), 256, 64, "9.0", {"w4a16_gemm": False}, CUBLASLT),
+        ((17,), 256, 64, "9.0", {}, [ENGINE]),
+        ((3, 6), 512, 64, "9.0", {}, [ENGINE]),  # 18 rows
+        ((512,), 256, 64, "9.0", {}, [ENGINE]),
+        ((513,), 256, 64, "9.0", {}, CUBLASLT),  # the decode pays off
+        ((16,), 256, 64, "9.0", {}, [HANDLER]),  # as fast, most shapes
+        ((16,), 256, 65, "9.0", {}, [ENGINE]),  # N odd: no handler
+        ((40,), 384, 64, "9.0", {}, [HANDLER]),  # K not a multiple of 256
+        ((40,), 256, 64, "10.0", {}, [HANDLER]),  # sm_90a code: 9.0 only
+        ((40,), 256, 64, "9.0", {"gemm_engine": False}, [HANDLER]),
+        ((40,), 256, 64, "9.0", {"w4a16_gemm": False}, CUBLASLT),
     ],
 )
 def test_engine_is_chosen_on_hopper(
@@ -447,12 +456,12 @@ def test_engine_call_takes_the_folded_rows(hopper):
     """x's rows folded into one [M, K] operand, the stored weight, no
     workspace."""
     hopper["cuda"] = CUDA_TARGETS | {ENGINE}
-    x, w = _serving((3, 5), 256, 64)
+    x, w = _serving((3, 6), 256, 64)
     _, text = _lowered(_product(jnp.float32), x, w)
     (call,) = [line for line in text.splitlines() if f"@{ENGINE}(" in line]
     assert (
-        "(tensor<15x256xbf16>, tensor<64x128xui8>, tensor<64x16xf8E4M3FN>, "
-        "tensor<1xf32>) -> tensor<15x64xf32>"
+        "(tensor<18x256xbf16>, tensor<64x128xui8>, tensor<64x16xf8E4M3FN>, "
+        "tensor<1xf32>) -> tensor<18x64xf32>"
     ) in call
 
 
@@ -600,14 +609,15 @@ def test_handler_folds_the_batch_into_rows():
 @needs_handler
 @pytest.mark.gpu
 def test_matmul_dispatch_on_gpu():
-    """On an H100/H200 the engine at any M; elsewhere few rows take the
-    handler, many the cuBLASLt path; K off 128 the cuBLASLt path, one weight
-    per item the cuBLASLt batch: all equal the exact sums."""
+    """Few rows take the handler; on an H100/H200 17 to 512 rows the engine,
+    elsewhere more than 64 the cuBLASLt path; K off 128 the cuBLASLt path,
+    one weight per item the cuBLASLt batch: all equal the exact sums."""
     cublaslt = [DECODE, GRAPH_GEMM] if bf16_gemm.cublaslt_gemm_supported() else []
     engine = w4a16_gemm.engine_supported(256)
     cases = [
-        (8, 256, [ENGINE] if engine else [HANDLER]),
+        (8, 256, [HANDLER]),
         (w4a16_gemm.MAX_HANDLER_ROWS + 16, 256, [ENGINE] if engine else cublaslt),
+        (w4a16_gemm.MAX_ENGINE_ROWS + 16, 256, cublaslt),
         (8, 80, cublaslt),
     ]
     for m, k, calls in cases:

@@ -1,0 +1,84 @@
+// The launch plan of the Hopper engine's W4A16 GEMM
+// (ffi/gemm/engine/w4a16_plan.h): the configuration by rows of x, the
+// split of K over a cluster, the slices' blocks, what it refuses and why.
+#include <string>
+
+#include "check.h"
+#include "gemm/engine/w4a16_plan.h"
+
+namespace {
+
+namespace engine = jax_nvfp4::engine;
+
+engine::W4A16Plan Plan(int64_t m, int64_t n, int64_t k, int sms = 132) {
+  engine::W4A16Plan p;
+  CHECK_EQ(engine::PlanW4A16(m, n, k, sms, &p), std::string());
+  return p;
+}
+
+TEST(W4A16EngineTokensPerTileFollowRows) {
+  CHECK_EQ(Plan(1, 256, 256).config.tokens, 16);
+  CHECK_EQ(Plan(16, 256, 256).config.tokens, 16);
+  CHECK_EQ(Plan(17, 256, 256).config.tokens, 32);
+  CHECK_EQ(Plan(64, 256, 256).config.tokens, 64);
+  CHECK_EQ(Plan(65, 256, 256).config.tokens, 128);
+  // Weight-bound tiles stream 256 elements of K a stage, two CTAs an SM;
+  // the compute-bound one shorter stages, one CTA.
+  CHECK_EQ(Plan(64, 256, 256).config.block_k, 256);
+  CHECK_EQ(Plan(64, 256, 256).config.blocks_per_sm, 2);
+  CHECK_EQ(Plan(2048, 256, 256).config.block_k, 64);
+  CHECK_EQ(Plan(2048, 256, 256).config.blocks_per_sm, 1);
+  CHECK_EQ(Plan(2048, 256, 256).token_tiles, 16);
+}
+
+TEST(W4A16EngineSharedMemoryFitsTheSm) {
+  // What an H100 / H200 multiprocessor has: 228 KB, 1 KB reserved a CTA.
+  for (int64_t m : {1, 17, 33, 100}) {
+    const engine::W4A16Plan p = Plan(m, 4096, 4096);
+    CHECK_EQ_FOR(p.shared_bytes,
+                 engine::W4A16SharedBytes(p.config.tokens, p.config.block_k,
+                                          p.config.stages),
+                 m);
+    CHECK(p.config.blocks_per_sm * (p.shared_bytes + 1024) <= 228 * 1024);
+    // The epilogue's float32 tile (128 + 4 floats a token) fits the ring.
+    CHECK(p.config.tokens * 132 * 4 <= p.shared_bytes - 1024);
+  }
+}
+
+TEST(W4A16EngineSplitsKWhileSmsIdle) {
+  // 112 weight tiles, 264 CTA slots: two slices fill them.
+  CHECK_EQ(Plan(1, 14336, 4096).weight_tiles, 112);
+  CHECK_EQ(Plan(1, 14336, 4096).splits, 2);
+  CHECK_EQ(Plan(1, 28672, 8192).splits, 1);  // 224 tiles already
+  CHECK_EQ(Plan(1, 4096, 14336).splits, 8);  // 32 tiles; at most 8
+  CHECK_EQ(Plan(2048, 14336, 4096).splits, 1);
+  // A slice keeps two 256-element blocks at least.
+  CHECK_EQ(Plan(1, 128, 512).splits, 1);
+  CHECK_EQ(Plan(1, 128, 1024).splits, 2);
+}
+
+TEST(W4A16EngineSlicesCoverKOnce) {
+  for (int splits : {1, 2, 3, 8}) {
+    int previous_end = 0;
+    for (int z = 0; z < splits; ++z) {
+      int begin = -1, end = -1;
+      engine::W4A16SliceBlocks(56 * 256, z, splits, &begin, &end);
+      CHECK_EQ_FOR(begin, previous_end, splits);
+      CHECK(end - begin >= 56 / splits);
+      previous_end = end;
+    }
+    CHECK_EQ_FOR(previous_end, 56, splits);
+  }
+}
+
+TEST(W4A16EngineRefusesWhatItCannotRead) {
+  engine::W4A16Plan p;
+  CHECK_CONTAINS(engine::PlanW4A16(1, 256, 384, 132, &p),
+                 "K a multiple of 256");
+  CHECK_CONTAINS(engine::PlanW4A16(0, 256, 256, 132, &p), "at least 1");
+  CHECK_CONTAINS(engine::PlanW4A16(1, 256, 0, 132, &p), "at least 1");
+  CHECK_CONTAINS(engine::PlanW4A16(1, int64_t{65536} * 128, 256, 132, &p),
+                 "N at most");
+}
+
+}  // namespace
