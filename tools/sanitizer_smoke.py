@@ -133,14 +133,18 @@ def grouped_gemms(key):
 
 def w4a16_gemms(key):
     """The weight-only GEMM handler at every row-tile height, partial tiles
-    in M and N, K in one slice and in slices of which the last is short."""
+    in M and N, K in one slice and in slices of which the last is short;
+    on an H100/H200 also the engine's at each of its tile heights, K split
+    over a cluster and not."""
     from jax_nvfp4 import ops
     from jax_nvfp4.backends import w4a16_gemm
 
     outs = []
     for k in (512, 2176):
         w = nv.quantize(jax.random.normal(key, (k, 130)), axis=0)
-        path = "handler" if w4a16_gemm.handler_supported(k, 130) else "xla"
+        paths = ["handler" if w4a16_gemm.handler_supported(k, 130) else "xla"]
+        if w4a16_gemm.engine_supported(k):
+            paths.append("engine")
         weight = (
             w.codes.reshape(1, 130, k // 2),
             w.scales.reshape(1, 130, k // 16),
@@ -149,7 +153,8 @@ def w4a16_gemms(key):
         for m in (1, 17, 40, 100):
             x = jax.random.normal(key, (1, m, k), jnp.bfloat16)
             for dtype in (jnp.bfloat16, jnp.float32):
-                outs.append(ops.w4a16_matmul(x, *weight, dtype=dtype, path=path))
+                for path in paths:
+                    outs.append(ops.w4a16_matmul(x, *weight, dtype=dtype, path=path))
     return outs
 
 
@@ -158,7 +163,7 @@ PARTS = {
     "gemm": "4 GEMMs",
     "recipe": "one dot step",
     "grouped": "the grouped GEMM's two forms",
-    "w4a16": "the weight-only GEMM at four row counts and two K",
+    "w4a16": "the weight-only GEMMs at four row counts and two K",
     "ragged": "one ragged_dot step",
 }
 
