@@ -125,6 +125,11 @@ def matmul_w4a16(
             "(one per batch item): use path 'cublaslt' or 'xla'"
         )
     if path == "engine":
+        if k % ENGINE_K_MULTIPLE:
+            raise ValueError(
+                f"the engine's W4A16 GEMM needs K a multiple of {ENGINE_K_MULTIPLE}, "
+                f"got K = {k}: use path 'auto', 'handler' or 'cublaslt'"
+            )
         result = jax.ShapeDtypeStruct((batch * m, n), dtype)
         out = jax.ffi.ffi_call(ENGINE_TARGET, result)(
             x.reshape(batch * m, k), codes[0], scales[0], amax

@@ -465,6 +465,19 @@ def test_engine_call_takes_the_folded_rows(hopper):
     ) in call
 
 
+@lowering_for_cuda
+def test_engine_path_refuses_k_it_cannot_read(hopper):
+    hopper["cuda"] = CUDA_TARGETS | {ENGINE}
+    args = _stored(*_serving((20,), 384, 64))
+    fn = functools.partial(ops.w4a16_matmul, dtype=jnp.float32, path="engine")
+    with pytest.raises(ValueError, match="K a multiple of 256, got K = 384"):
+        _lowered(fn, *args)
+    one = _stored(*_serving((20,), 256, 64))
+    per_item = tuple(jnp.concatenate([a] * 2) for a in one)
+    with pytest.raises(ValueError, match="one weight"):
+        _lowered(fn, *per_item)
+
+
 def test_engine_supported(monkeypatch):
     monkeypatch.setattr(library, "registered_targets", lambda: {"cuda": {ENGINE}})
     hopper, blackwell = [fake_device("gpu", "9.0")], [fake_device("gpu", "10.0")]
