@@ -16,8 +16,9 @@
 // k16 steps, per row), picks its bytes of each step with byte permutes,
 // decodes them to bf16 e2m1 * scale (exact: at most 6 significant bits) in
 // the register layout wgmma's A takes, and issues one wgmma per k16 step.
-// Fragments are double-buffered: a stage's are decoded while the previous
-// stage's wgmma still read theirs. Products are exact, sums float32.
+// Fragments are double-buffered: a 64-element step's are decoded while the
+// previous step's wgmma still read theirs. Products are exact, sums
+// float32.
 //
 // The epilogue stages the 128 x tokens float32 tile in shared memory
 // transposed (so that stores run along n). With K split, the slices of a
