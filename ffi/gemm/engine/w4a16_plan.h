@@ -6,9 +6,9 @@
 // the smallest that holds M, so that one token fills an n16 tile), over
 // a range of K in stages of 64 or 256 elements. The grid is (token tiles,
 // weight tiles, splits): token tiles vary fastest, so the CTAs that share a
-// weight tile run together and read it from HBM once. When the tiles alone leave
-// multiprocessors idle (few tokens, few weight rows), K is split into up to
-// 8 slices of whole 256-element blocks; the slices of a tile form one
+// weight tile run together and read it from HBM once. When the tiles alone
+// leave multiprocessors idle (few tokens, few weight rows), K is split into up
+// to 8 slices of whole 256-element blocks; the slices of a tile form one
 // thread-block cluster and add their partial sums through distributed
 // shared memory in slice order, so the result is deterministic and no
 // workspace exists.
