@@ -166,29 +166,24 @@ auto GroupedGemmBf16Binding(Binder binder) {
       .template Attr<bool>("tokens");          // the form: rows or tokens
 }
 
-// jax_nvfp4_matmul_w4a16 (CUDA): bf16 x times an NVFP4 weight decoded in
-// registers (ffi/gemm/mma/w4a16_gemm.cu).
+// jax_nvfp4_matmul_w4a16_sm90 (CUDA): bf16 x times an NVFP4 weight decoded
+// in registers on the Hopper engine (ffi/gemm/engine/w4a16_gemm.cu).
 template <typename Binder>
-auto MatmulW4A16Binding(Binder binder) {
+auto MatmulW4A16Sm90Binding(Binder&& binder) {
   return std::move(binder)
       .template Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
       .template Arg<ffi::Buffer<ffi::U8>>()    // w codes [N, K/2]
       .template Arg<ffi::AnyBuffer>()          // w e4m3 scales [N, K/16]
       .template Arg<ffi::Buffer<ffi::F32>>()   // w amax [1]
-      .template Ret<ffi::AnyBuffer>()          // out [M, N], bf16 or f32
-      .template Ret<ffi::Buffer<ffi::U8>>();   // workspace (plan_w4a16)
+      .template Ret<ffi::AnyBuffer>();         // out [M, N]
 }
 
-// jax_nvfp4_matmul_w4a16_sm90 (CUDA): the same product on the Hopper engine
-// (ffi/gemm/engine/w4a16_gemm.cu), without a workspace.
+// jax_nvfp4_matmul_w4a16 (CUDA): the same product by the mma.sync kernel
+// (ffi/gemm/mma/w4a16_gemm.cu), which also takes a workspace.
 template <typename Binder>
-auto MatmulW4A16Sm90Binding(Binder binder) {
-  return std::move(binder)
-      .template Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
-      .template Arg<ffi::Buffer<ffi::U8>>()    // w codes [N, K/2]
-      .template Arg<ffi::AnyBuffer>()          // w e4m3 scales [N, K/16]
-      .template Arg<ffi::Buffer<ffi::F32>>()   // w amax [1]
-      .template Ret<ffi::AnyBuffer>();         // out [M, N], bf16 or f32
+auto MatmulW4A16Binding(Binder binder) {
+  return MatmulW4A16Sm90Binding(std::move(binder))
+      .template Ret<ffi::Buffer<ffi::U8>>();  // workspace (plan_w4a16)
 }
 
 }  // namespace jax_nvfp4

@@ -11,13 +11,20 @@ WIDTHS = (128, 256)
 REGISTER_A_WIDTHS = (16, 32, 64, 128)
 
 
-def wrapper(n: int) -> str:
-    regs = n // 2
+def accumulators(regs: int) -> tuple[str, str]:
+    """The asm operand list of `regs` float32 accumulators and their
+    read-write bindings, eight to a line."""
     outs = ", ".join(f"%{i}" for i in range(regs))
     binds = ",\n        ".join(
         ", ".join(f'"+f"(d[{i}])' for i in range(j, min(j + 8, regs)))
         for j in range(0, regs, 8)
     )
+    return outs, binds
+
+
+def wrapper(n: int) -> str:
+    regs = n // 2
+    outs, binds = accumulators(regs)
     return f"""
 // D[64 x {n}] (+)= A[64 x 16] . B[{n} x 16]^T, both K-major in shared memory
 // (descriptors), float32 accumulators; accumulate when scale_d != 0.
@@ -37,11 +44,7 @@ __device__ __forceinline__ void WgmmaM64N{n}K16(float (&d)[{regs}],
 
 def register_a_wrapper(n: int) -> str:
     regs = n // 2
-    outs = ", ".join(f"%{i}" for i in range(regs))
-    binds = ",\n        ".join(
-        ", ".join(f'"+f"(d[{i}])' for i in range(j, min(j + 8, regs)))
-        for j in range(0, regs, 8)
-    )
+    outs, binds = accumulators(regs)
     a = ", ".join(f"%{regs + i}" for i in range(4))
     return f"""
 // D[64 x {n}] (+)= A[64 x 16] . B[{n} x 16]^T, A from registers (a thread's

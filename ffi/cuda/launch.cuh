@@ -1,13 +1,17 @@
-// Host helpers of the CUDA handlers: alignment, grid sizes and launch errors.
+// Host helpers of the CUDA handlers: alignment, grid sizes, launch errors
+// and the output type a kernel is instantiated for.
 #ifndef JAX_NVFP4_FFI_CUDA_LAUNCH_CUH_
 #define JAX_NVFP4_FFI_CUDA_LAUNCH_CUH_
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
 
+#include "checks.h"
 #include "cuda/device.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -52,6 +56,24 @@ inline ffi::Error LaunchError(const char* what) {
                           " kernel launch failed: " + cudaGetErrorString(err));
   }
   return ffi::Error::Success();
+}
+
+// launch(Out{}) for the output type `type`: bf16, f16 or f32; `what` names
+// the handler in the error for any other type.
+template <typename Launch>
+ffi::Error ByOutputType(ffi::DataType type, const char* what, Launch launch) {
+  switch (type) {
+    case ffi::DataType::BF16:
+      return launch(__nv_bfloat16{});
+    case ffi::DataType::F16:
+      return launch(__half{});
+    case ffi::DataType::F32:
+      return launch(float{});
+    default:
+      return InvalidArgument(std::string(what) +
+                             ": the output must be bfloat16, float16 or "
+                             "float32");
+  }
 }
 
 }  // namespace jax_nvfp4

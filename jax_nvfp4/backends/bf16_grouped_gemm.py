@@ -45,7 +45,6 @@ from jax_nvfp4.backends import devices, library
 from jax_nvfp4.backends.group_alignment import realigned_rows, take
 
 __all__ = [
-    "ENGINE_CAPABILITY",
     "ENGINE_MAX_GROUPS",
     "ENGINE_TARGET",
     "KERNELS",
@@ -64,7 +63,6 @@ __all__ = [
 TARGET = "jax_nvfp4_grouped_gemm_bf16"
 MIN_CAPABILITY = (8, 0)  # bf16 mma.sync (Ampere and later)
 ENGINE_TARGET = "jax_nvfp4_grouped_gemm_sm90"
-ENGINE_CAPABILITY = (9, 0)  # wgmma: sm_90a code runs on 9.0 alone
 ENGINE_MAX_GROUPS = 64  # the engine's CTAs keep per-group tables on chip
 LINE_TOKENS = 64  # the engine's tokens form: 128-byte rows of 64 tokens
 KERNELS = ("engine", "mma", "xla")
@@ -90,10 +88,7 @@ def engine_supported(target: Any = None, *, groups: int, n: int) -> bool:
         return False
     if not (1 <= groups <= ENGINE_MAX_GROUPS and n % 2 == 0):
         return False
-    lowered_for = devices.lowering_devices(target)
-    return bool(lowered_for) and all(
-        devices.capability(d) == ENGINE_CAPABILITY for d in lowered_for
-    )
+    return devices.all_engine_capable(devices.lowering_devices(target))
 
 
 def token_lines(values: jax.Array, sizes: jax.Array) -> jax.Array:

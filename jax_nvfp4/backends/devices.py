@@ -12,7 +12,14 @@ from typing import Any
 
 import jax
 
-__all__ = ["all_capable", "capability", "cuda_devices", "lowering_devices"]
+__all__ = [
+    "ENGINE_CAPABILITY",
+    "all_capable",
+    "all_engine_capable",
+    "capability",
+    "cuda_devices",
+    "lowering_devices",
+]
 
 
 def capability(device: Any) -> tuple[int, int] | None:
@@ -34,6 +41,17 @@ def all_capable(devices: Sequence[Any], minimum: tuple[int, int]) -> bool:
     return bool(capabilities) and all(
         c is not None and c >= minimum for c in capabilities
     )
+
+
+# The Hopper GEMM engine's kernels are compiled for sm_90a, which runs on
+# compute capability 9.0 alone.
+ENGINE_CAPABILITY = (9, 0)
+
+
+def all_engine_capable(devices: Sequence[Any]) -> bool:
+    """Whether there are devices and every one is a GPU of compute
+    capability 9.0 exactly (``ENGINE_CAPABILITY``)."""
+    return bool(devices) and all(capability(d) == ENGINE_CAPABILITY for d in devices)
 
 
 def cuda_devices() -> tuple[Any, ...]:

@@ -53,7 +53,6 @@ __all__ = [
 TARGET = "jax_nvfp4_matmul_w4a16"
 MIN_CAPABILITY = (8, 0)  # bf16 mma.sync
 ENGINE_TARGET = "jax_nvfp4_matmul_w4a16_sm90"
-ENGINE_CAPABILITY = (9, 0)  # wgmma: sm_90a code runs on 9.0 alone
 ENGINE_K_MULTIPLE = 256  # TMA reads a weight row's scales 16 bytes at a time
 # Rows of x the engine serves (benchmarks/serving_bench.py): from 17 rows it
 # is the fastest NVFP4 path on the H200 (at 16 rows and fewer the mma.sync
@@ -86,10 +85,7 @@ def engine_supported(k: int, target: Any = None) -> bool:
         return False
     if k <= 0 or k % ENGINE_K_MULTIPLE:
         return False
-    lowered_for = devices.lowering_devices(target)
-    return bool(lowered_for) and all(
-        devices.capability(d) == ENGINE_CAPABILITY for d in lowered_for
-    )
+    return devices.all_engine_capable(devices.lowering_devices(target))
 
 
 def matmul_w4a16(

@@ -69,23 +69,6 @@ ffi::Error OperandMaps(const void* a, const void* b, int rank,
   return ffi::Error::Success();
 }
 
-// launch(Out{}) for the output type `type`: bf16, f16 or f32.
-template <typename Launch>
-ffi::Error ByOutputType(ffi::DataType type, Launch launch) {
-  switch (type) {
-    case ffi::DataType::BF16:
-      return launch(__nv_bfloat16{});
-    case ffi::DataType::F16:
-      return launch(__half{});
-    case ffi::DataType::F32:
-      return launch(float{});
-    default:
-      return InvalidArgument(
-          "grouped_gemm_sm90: the output must be bfloat16, float16 or "
-          "float32");
-  }
-}
-
 ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
                                ffi::Buffer<ffi::BF16> b,
                                ffi::Buffer<ffi::S32> sizes,
@@ -130,14 +113,16 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
         e.failure()) {
       return e;
     }
-    return ByOutputType(out->element_type(), [&](auto zero) {
-      using Out = decltype(zero);
-      return Launch(engine::GroupedRowsKernel<Out>, GroupedRowsShape::kThreads,
-                    plan, stream, "grouped_gemm_sm90 (rows)", map_a, map_b,
-                    sizes.typed_data(), alpha.typed_data(),
-                    static_cast<Out*>(out->untyped_data()), int(groups),
-                    int(rows), int(n), int(k));
-    });
+    return ByOutputType(
+        out->element_type(), "grouped_gemm_sm90", [&](auto zero) {
+          using Out = decltype(zero);
+          return Launch(engine::GroupedRowsKernel<Out>,
+                        GroupedRowsShape::kThreads, plan, stream,
+                        "grouped_gemm_sm90 (rows)", map_a, map_b,
+                        sizes.typed_data(), alpha.typed_data(),
+                        static_cast<Out*>(out->untyped_data()), int(groups),
+                        int(rows), int(n), int(k));
+        });
   }
   const int64_t line = GroupedTokensShape::kLineTokens;
   if (ad.size() != 3 || bd.size() != 3 || od.size() != 3 || ad[2] != line ||
@@ -168,7 +153,7 @@ ffi::Error GroupedGemmSm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> a,
       e.failure()) {
     return e;
   }
-  return ByOutputType(out->element_type(), [&](auto zero) {
+  return ByOutputType(out->element_type(), "grouped_gemm_sm90", [&](auto zero) {
     using Out = decltype(zero);
     return Launch(
         engine::GroupedTokensKernel<Out>, GroupedTokensShape::kThreads, plan,

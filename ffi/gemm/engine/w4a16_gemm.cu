@@ -63,40 +63,25 @@ ffi::Error MatmulW4A16Sm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   }
   CUtensorMap x_map, codes_map, scales_map;
   if (!engine::W4A16Maps(x.typed_data(), codes.typed_data(),
-                         scales.untyped_data(), m, n, k, plan.config,
-                         &x_map, &codes_map, &scales_map)) {
+                         scales.untyped_data(), m, n, k, plan.config, &x_map,
+                         &codes_map, &scales_map)) {
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "jax_nvfp4: matmul_w4a16_sm90 could not encode its "
                       "tensor maps (a CUDA driver of 12.0 or newer?)");
   }
-  const auto launch = [&](auto* typed_out) {
-    return engine::LaunchW4A16(plan, x_map, codes_map, scales_map,
-                               amax.typed_data(), typed_out, int(m), int(n),
-                               int(k), stream);
-  };
-  cudaError_t launched;
-  switch (out->element_type()) {
-    case ffi::DataType::BF16:
-      launched = launch(static_cast<__nv_bfloat16*>(out->untyped_data()));
-      break;
-    case ffi::DataType::F16:
-      launched = launch(static_cast<__half*>(out->untyped_data()));
-      break;
-    case ffi::DataType::F32:
-      launched = launch(static_cast<float*>(out->untyped_data()));
-      break;
-    default:
-      return InvalidArgument(
-          "matmul_w4a16_sm90: the output must be bfloat16, float16 or "
-          "float32");
-  }
-  if (launched != cudaSuccess) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("jax_nvfp4: matmul_w4a16_sm90's launch "
-                                  "failed: ") +
-                          cudaGetErrorString(launched));
-  }
-  return ffi::Error::Success();
+  return ByOutputType(out->element_type(), "matmul_w4a16_sm90", [&](auto zero) {
+    using Out = decltype(zero);
+    const cudaError_t launched = engine::LaunchW4A16(
+        plan, x_map, codes_map, scales_map, amax.typed_data(),
+        static_cast<Out*>(out->untyped_data()), int(m), int(n), int(k), stream);
+    if (launched != cudaSuccess) {
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        std::string("jax_nvfp4: matmul_w4a16_sm90's launch "
+                                    "failed: ") +
+                            cudaGetErrorString(launched));
+    }
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
