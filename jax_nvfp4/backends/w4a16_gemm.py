@@ -55,11 +55,9 @@ MIN_CAPABILITY = (8, 0)  # bf16 mma.sync
 ENGINE_TARGET = "jax_nvfp4_matmul_w4a16_sm90"
 ENGINE_K_MULTIPLE = 256  # TMA reads a weight row's scales 16 bytes at a time
 # Rows of x the engine serves (benchmarks/serving_bench.py): from 17 rows it
-# is the fastest NVFP4 path on the H200 (at 16 rows and fewer the mma.sync
-# handler is as fast or faster for most shapes); past about 600 rows
-# (interpolated between the 256- and 2048-row measurements) the cuBLASLt
-# GEMM on the decoded weight wins, its decode pass paid off by its faster
-# tensor-core rate.
+# is the faster of the two register-decoding kernels (at 16 and fewer the
+# mma.sync handler is as fast); past a few hundred rows the GEMM is
+# compute-bound and cuBLASLt on the decoded weight is faster.
 MAX_ENGINE_ROWS = 512
 # Rows of x up to which the handler runs (benchmarks/serving_bench.py): its
 # tiles hold at most 64 rows; past that the GEMM is compute-bound and the
