@@ -363,7 +363,8 @@ static void W4A16(int m, int n, int k, bool check, int sms, int copies = 1) {
   const auto launch = [&] {
     const int c = call++ % copies;
     CK(engine::LaunchW4A16<Out>(plan, maps[3 * c], maps[3 * c + 1],
-                                maps[3 * c + 2], amax, out, m, n, k, nullptr));
+                                maps[3 * c + 2], x, amax, out, m, n, k,
+                                nullptr));
   };
   launch();
   CK(cudaDeviceSynchronize());

@@ -48,9 +48,15 @@ struct Ring {
   // The producer's turn at `slot`: waits until it is free, then arrives
   // expecting `bytes` from the copy engine. Returns its stage.
   __device__ int Fill(int slot, int bytes) {
+    const int s = WaitFree(slot);
+    BarrierExpectBytes(&full[s], bytes);
+    return s;
+  }
+
+  // Waits until `slot` is free. Returns its stage.
+  __device__ int WaitFree(int slot) {
     const int s = slot % kStages;
     BarrierWait(&empty[s], ((slot / kStages) & 1) ^ 1);
-    BarrierExpectBytes(&full[s], bytes);
     return s;
   }
 

@@ -38,6 +38,35 @@ __device__ __forceinline__ uint4 LoadShared16(uint32_t address) {
   return v;
 }
 
+// 8 bytes of shared memory at a shared-window address.
+__device__ __forceinline__ uint2 LoadShared8(uint32_t address) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+               : "=r"(v.x), "=r"(v.y)
+               : "r"(address));
+  return v;
+}
+
+// 4 bytes from global memory to a shared-window address, asynchronously
+// (cp.async); CopyAsyncArrive tells a barrier when they landed.
+__device__ __forceinline__ void CopyAsync4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
+}
+
+// The barrier's current phase also waits for this thread's earlier
+// CopyAsync4 (the arrival is counted in advance, so the expected count
+// stays as initialised).
+__device__ __forceinline__ void CopyAsyncArrive(uint64_t* bar) {
+  asm volatile(
+      "cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(SmemAddress(bar)));
+}
+
+// Orders this thread's view of shared memory written by threads (generic
+// proxy) before the wgmma that read it (async proxy).
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 __device__ __forceinline__ void BarrierInit(uint64_t* bar, int arrivals) {
   asm volatile(
       "mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddress(bar)),
@@ -52,6 +81,14 @@ __device__ __forceinline__ void BarrierInitFence() {
 // One arrival that also expects `bytes` from the copy engine.
 __device__ __forceinline__ void BarrierExpectBytes(uint64_t* bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   SmemAddress(bar)),
+               "r"(bytes));
+}
+
+// Expects `bytes` more from the copy engine in the current phase, without
+// arriving.
+__device__ __forceinline__ void BarrierExpectTx(uint64_t* bar, int bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(
                    SmemAddress(bar)),
                "r"(bytes));
 }

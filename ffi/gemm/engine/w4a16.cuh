@@ -20,6 +20,15 @@
 // previous step's wgmma still read theirs. Products are exact, sums
 // float32.
 //
+// Up to 16 tokens the contraction runs in a permuted order, so that a
+// thread's weight bytes are contiguous: of each 64 elements of K, thread t
+// of a quad takes elements 16t .. 16t + 15 of its rows (8 bytes, one block
+// scale), which wgmma sees as columns 2t + 8h + e of k16 step j for element
+// 16t + 4j + 2h + e. The producer warp writes x's tile in that order with
+// 4-byte asynchronous copies (TMA copies boxes as they are); one load, one
+// scale and four decodes of 8 elements per row serve four k16 steps, where
+// the natural order needs byte picks and a scale per step.
+//
 // The epilogue stages the 128 x tokens float32 tile in shared memory
 // transposed (so that stores run along n). With K split, the slices of a
 // tile are one cluster: after a cluster barrier each CTA adds a part of the
@@ -59,6 +68,8 @@ struct W4A16Shape {
   // The transposed float32 tile of the epilogue: a row of 128 weight rows
   // per token, padded so that a warp's stores hit 32 banks.
   static constexpr int kTilePitch = kRows + 4;
+  // x's tile in the permuted contraction order (see the file's comment).
+  static constexpr bool kPermutedX = kTokens == 16;
   static_assert(kBlockK == 64 || kBlockK == 256, "stages of 64 or 256");
 };
 
@@ -88,7 +99,8 @@ constexpr CUtensorMapSwizzle SwizzleOf() {
                         : CU_TENSOR_MAP_SWIZZLE_128B;
 }
 
-// x_map: x bf16 [M, K] in boxes of 64 x kTokens, 128-byte swizzle;
+// x_map: x bf16 [M, K] in boxes of 64 x kTokens, 128-byte swizzle (x
+// itself when the tile is permuted);
 // codes_map: uint8 [N, K / 2] in boxes of kBlockK / 2 x 128, swizzled by
 // that width; scales_map: uint8 [N, K / 16] in boxes of 16 x 128. grid
 // (token tiles, weight tiles, splits), the splits one cluster
@@ -98,7 +110,8 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
     W4A16Kernel(const __grid_constant__ CUtensorMap x_map,
                 const __grid_constant__ CUtensorMap codes_map,
                 const __grid_constant__ CUtensorMap scales_map,
-                const float* amax, Out* out, int m, int n, int k) {
+                const __nv_bfloat16* x, const float* amax, Out* out, int m,
+                int n, int k) {
 #if JAX_NVFP4_ENGINE_ARCH
   using S = W4A16Shape<kTokens, kBlockK>;
   using Ring =
@@ -112,12 +125,62 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
   int block_begin, block_end;
   W4A16SliceBlocks(k, blockIdx.z, gridDim.z, &block_begin, &block_end);
   if (threadIdx.x == 0) ring.Init();
+  if constexpr (S::kPermutedX) {
+    // Rows past M are never copied: zeros, so that their (unstored) sums
+    // read defined values.
+    if (token0 + kTokens > m) {
+      uint4* tiles = reinterpret_cast<uint4*>(ring.TileA(0));
+      for (int i = threadIdx.x; i < kStages * S::kXBytes / 16;
+           i += kW4A16Threads) {
+        tiles[i] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
   __syncthreads();
 
   float acc[kTokens / 2];
 #pragma unroll
   for (int i = 0; i < kTokens / 2; ++i) acc[i] = 0.f;
-  if (warp == 8) {  // the producer
+  if (warp == 8 && S::kPermutedX) {  // the producer, x by its 32 lanes
+    const int rows = min(kTokens, m - token0);
+    int slot = 0;
+    for (int b = block_begin; b < block_end; ++b) {
+      for (int q = 0; q < S::kStagesPerBlock; ++q, ++slot) {
+        const int k0 = b * kW4A16ScaleK + q * kBlockK;
+        const int s = ring.WaitFree(slot);
+        // The weight's tiles first (HBM's latency is the longer); the
+        // barrier's one arrival comes after the lanes' copies joined it.
+        if (lane == 0) {
+          BarrierExpectTx(&ring.full[s],
+                          S::kCodeBytes + (q == 0 ? S::kScaleBytes : 0));
+          TmaLoad2d(ring.TileB(s), &codes_map, &ring.full[s], k0 / 2, row0);
+          if (q == 0) {
+            TmaLoad2d(ring.TileB(s) + S::kCodeBytes, &scales_map, &ring.full[s],
+                      b * kW4A16ScaleK / 16, row0);
+          }
+        }
+        const uint32_t tile = SmemAddress(ring.TileA(s));
+        // 4-byte piece p of a row's 64-element group holds elements
+        // 16t + 4j + 2h + (0, 1) (p = 8t + 2j + h), which wgmma reads as
+        // k16 step j's columns 2t + 8h + (0, 1): 4-byte column 8j + 4h + t.
+        // Lane p copies piece p of every row and group.
+        const int column = ((lane >> 1) & 3) * 8 + (lane & 1) * 4 + (lane >> 3);
+        const __nv_bfloat16* source = x + int64_t{token0} * k + k0 + 2 * lane;
+        for (int row = 0; row < rows; ++row, source += k) {
+          const uint32_t destination = tile + row * 128 +
+                                       ((column / 4) ^ (row & 7)) * 16 +
+                                       column % 4 * 4;
+#pragma unroll
+          for (int g = 0; g < kBlockK / 64; ++g) {
+            CopyAsync4(destination + g * S::kXBox, source + g * 64);
+          }
+        }
+        CopyAsyncArrive(&ring.full[s]);
+        __syncwarp();
+        if (lane == 0) BarrierArrive(&ring.full[s]);
+      }
+    }
+  } else if (warp == 8) {  // the producer
     if (lane == 0) {
       int slot = 0;
       for (int b = block_begin; b < block_end; ++b) {
@@ -159,6 +222,7 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
       constexpr int u = q % S::kSteps;
       if constexpr (u == 0) {
         stage = ring.Take(slot);
+        if constexpr (S::kPermutedX) FenceProxyAsync();  // x's tile by threads
         if constexpr (q == 0) {
           const uint32_t scales =
               SmemAddress(ring.TileB(stage)) + S::kCodeBytes;
@@ -176,8 +240,35 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
                                        : q == 1 ? scales_r8.y
                                        : q == 2 ? scales_r8.z
                                                 : scales_r8.w};
+      if constexpr (S::kPermutedX) {
+        // Elements 16t .. 16t + 15 of the group: 8 bytes of row r and of
+        // row r + 8, one block scale each; byte 2j + h is k16 step j's
+        // columns 2t + 8h, 2t + 8h + 1.
+        const uint32_t address =
+            codes + row_offset + ((u * 32 + 8 * t) ^ swizzle_key);
+        const uint2 row = LoadShared8(address);
+        const uint2 row8 = LoadShared8(address + 8 * S::kCodePitch);
+        uint32_t scale_r, scale_r8;
+        ScalePairsBf16(__byte_perm(scale_words[0], scale_words[1], pick),
+                       scale_r, scale_r8);
+        const uint4 low = DecodeCodes8Bf16(row.x, scale_r);
+        const uint4 high = DecodeCodes8Bf16(row.y, scale_r);
+        const uint4 low8 = DecodeCodes8Bf16(row8.x, scale_r8);
+        const uint4 high8 = DecodeCodes8Bf16(row8.y, scale_r8);
+        const uint4 r_words[2] = {low, high}, r8_words[2] = {low8, high8};
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {  // 16 bytes of a row: k16 steps 2c, 2c + 1
+        for (int j = 0; j < 4; ++j) {
+          const uint4& a = r_words[j / 2];
+          const uint4& a8 = r8_words[j / 2];
+          f[j][0] = j % 2 ? a.z : a.x;    // row r, columns 2t, 2t + 1
+          f[j][1] = j % 2 ? a8.z : a8.x;  // row r + 8
+          f[j][2] = j % 2 ? a.w : a.y;    // row r, columns 2t + 8, 2t + 9
+          f[j][3] = j % 2 ? a8.w : a8.y;  // row r + 8
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < (S::kPermutedX ? 0 : 2);
+           ++c) {  // 16 bytes of a row: k16 steps 2c, 2c + 1
         const int piece = (2 * u + c) * 16;
         const uint32_t address = codes + row_offset + (piece ^ swizzle_key);
         const uint4 row = LoadShared16(address);
@@ -303,7 +394,8 @@ inline bool W4A16Maps(const void* x, const void* codes, const void* scales,
 template <int kTokens, int kBlockK, int kStages, int kBlocksPerSm, typename Out>
 cudaError_t LaunchW4A16Config(const W4A16Plan& plan, const CUtensorMap& x_map,
                               const CUtensorMap& codes_map,
-                              const CUtensorMap& scales_map, const float* amax,
+                              const CUtensorMap& scales_map,
+                              const __nv_bfloat16* x, const float* amax,
                               Out* out, int m, int n, int k,
                               cudaStream_t stream) {
   using S = W4A16Shape<kTokens, kBlockK>;
@@ -330,7 +422,7 @@ cudaError_t LaunchW4A16Config(const W4A16Plan& plan, const CUtensorMap& x_map,
   cluster[0].val.clusterDim.z = static_cast<unsigned>(plan.splits);
   config.attrs = cluster;
   config.numAttrs = plan.splits > 1 ? 1 : 0;
-  e = cudaLaunchKernelEx(&config, kernel, x_map, codes_map, scales_map, amax,
+  e = cudaLaunchKernelEx(&config, kernel, x_map, codes_map, scales_map, x, amax,
                          out, m, n, k);
   return e != cudaSuccess ? e : cudaGetLastError();
 }
@@ -339,14 +431,15 @@ cudaError_t LaunchW4A16Config(const W4A16Plan& plan, const CUtensorMap& x_map,
 template <typename Out>
 cudaError_t LaunchW4A16(const W4A16Plan& plan, const CUtensorMap& x_map,
                         const CUtensorMap& codes_map,
-                        const CUtensorMap& scales_map, const float* amax,
-                        Out* out, int m, int n, int k, cudaStream_t stream) {
+                        const CUtensorMap& scales_map, const __nv_bfloat16* x,
+                        const float* amax, Out* out, int m, int n, int k,
+                        cudaStream_t stream) {
   const W4A16Config c = plan.config;
-#define JAX_NVFP4_W4A16_CONFIG(T, K, S, B)                               \
-  if (c.tokens == T && c.block_k == K && c.stages == S &&                \
-      c.blocks_per_sm == B) {                                            \
-    return LaunchW4A16Config<T, K, S, B, Out>(                           \
-        plan, x_map, codes_map, scales_map, amax, out, m, n, k, stream); \
+#define JAX_NVFP4_W4A16_CONFIG(T, K, S, B)                                  \
+  if (c.tokens == T && c.block_k == K && c.stages == S &&                   \
+      c.blocks_per_sm == B) {                                               \
+    return LaunchW4A16Config<T, K, S, B, Out>(                              \
+        plan, x_map, codes_map, scales_map, x, amax, out, m, n, k, stream); \
   }
   JAX_NVFP4_W4A16_CONFIG(16, 256, 4, 2)
   JAX_NVFP4_W4A16_CONFIG(32, 256, 3, 2)

@@ -72,8 +72,10 @@ ffi::Error MatmulW4A16Sm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   return ByOutputType(out->element_type(), "matmul_w4a16_sm90", [&](auto zero) {
     using Out = decltype(zero);
     const cudaError_t launched = engine::LaunchW4A16(
-        plan, x_map, codes_map, scales_map, amax.typed_data(),
-        static_cast<Out*>(out->untyped_data()), int(m), int(n), int(k), stream);
+        plan, x_map, codes_map, scales_map,
+        reinterpret_cast<const __nv_bfloat16*>(x.typed_data()),
+        amax.typed_data(), static_cast<Out*>(out->untyped_data()), int(m),
+        int(n), int(k), stream);
     if (launched != cudaSuccess) {
       return ffi::Error(ffi::ErrorCode::kInternal,
                         std::string("jax_nvfp4: matmul_w4a16_sm90's launch "
