@@ -29,9 +29,9 @@ Settings (environment variable, default):
     handlers there too.
 ``w4a16_gemm`` (``JAX_NVFP4_W4A16_GEMM``, on): ``matmul`` of bfloat16
     activations by an NVFP4 weight through a CUDA handler that decodes the
-    weight in registers (the engine's for 17-512 rows on compute capability
-    9.0, the mma.sync one for up to 64 rows elsewhere and for 16 and fewer
-    there); off: the decoded weight and a bf16 GEMM.
+    weight in registers (the engine's for up to 512 rows on compute
+    capability 9.0 and K a multiple of 256, the mma.sync one for up to 64
+    rows elsewhere); off: the decoded weight and a bf16 GEMM.
 ``gemm_operands`` (``JAX_NVFP4_GEMM_OPERANDS``, ``auto``): the form in which
     the training recipe's fused quantize writes the operands that only feed a
     GEMM (same values in either form). ``auto``: decoded bfloat16 values where

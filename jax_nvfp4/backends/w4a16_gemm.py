@@ -11,12 +11,12 @@ rounding to the output dtype.
 The GEMMs the W4A16 primitive (``jax_nvfp4.ops.w4a16_matmul``) lowers to on
 CUDA, as ``ops.dispatch`` chooses them. On compute capability 9.0 the Hopper
 engine's handler ``jax_nvfp4_matmul_w4a16_sm90``
-(ffi/gemm/engine/w4a16_gemm.cu) runs 17 to ``MAX_ENGINE_ROWS`` rows (and
-fewer where the mma.sync handler cannot): the weight is wgmma's A
-operand, decoded in registers from codes and scales that TMA stages in
-shared memory, and x its B operand, so that a few tokens fill an n16 tile;
-K is split across a thread-block cluster when the tiles alone leave
-multiprocessors idle. Elsewhere the CUDA handler
+(ffi/gemm/engine/w4a16_gemm.cu) runs 1 to ``MAX_ENGINE_ROWS`` rows: the
+weight is wgmma's A operand, decoded in registers from codes and scales
+that TMA stages in shared memory, and x its B operand, so that a few tokens
+fill an n16 tile; K is split across a thread-block cluster when the tiles
+alone leave multiprocessors idle. Elsewhere (and for K off 256) the CUDA
+handler
 ``jax_nvfp4_matmul_w4a16`` (ffi/gemm/mma/w4a16_gemm.cu) decodes the weight in
 registers: it reads 4.5 bits per weight element and no bfloat16 copy of the
 weight exists, which is what wins at the few rows of x of token-by-token

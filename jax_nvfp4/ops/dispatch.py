@@ -25,10 +25,10 @@ reference.
 Weight-only GEMM (the W4A16 primitive of serving, ``matmul(x_bf16,
 w_nvfp4)``), chosen when lowered for CUDA (``w4a16_path``, from the lowering
 context and the shapes): ``"engine"`` (the Hopper engine, the weight decoded
-in registers, ``w4a16_gemm``; 17 to 512 rows, compute capability 9.0, K a
+in registers, ``w4a16_gemm``; up to 512 rows, compute capability 9.0, K a
 multiple of 256), ``"handler"`` (the mma.sync kernel, the weight decoded in
-registers; up to 64 rows, from 8.0; it keeps 16 rows and fewer on Hopper
-too), ``"cublaslt"`` (the decoded weight, by the decode
+registers; up to 64 rows, from 8.0, where the engine does not run),
+``"cublaslt"`` (the decoded weight, by the decode
 handler where it is built, and the cuBLASLt bf16 GEMM) or ``"xla"`` (the
 twin).
 
@@ -196,9 +196,9 @@ def w4a16_path(
         and rows <= w4a16_gemm.MAX_ENGINE_ROWS
         and w4a16_gemm.engine_supported(k, lowered_for)
     )
-    # At 16 rows and fewer both decode the weight in registers at about the
-    # same speed; the mma.sync handler is the faster for most shapes.
-    if engine and not (handler and rows <= 16):
+    # The engine first wherever it runs (it decodes fewer instructions per
+    # element than the mma.sync handler); the handler where it does not.
+    if engine:
         return "engine"
     if handler:
         return "handler"

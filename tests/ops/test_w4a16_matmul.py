@@ -416,9 +416,13 @@ def test_w4a16_path(monkeypatch):
     assert path(8, 256, 64, h100) == "handler"
     assert path(100, 256, 64, h100) == "xla"
     registered["cuda"] = frozenset({HANDLER, ENGINE})
-    assert path(16, 256, 64, h100) == "handler"
+    assert path(1, 256, 64, h100) == "engine"
+    assert path(16, 256, 64, h100) == "engine"
     assert path(17, 256, 64, h100) == "engine"
-    assert path(16, 256, 63, h100) == "engine"  # the handler needs N even
+    assert path(16, 256, 63, h100) == "engine"
+    assert path(16, 384, 64, h100) == "handler"  # K off 256: no engine
+    with config.override(gemm_engine=False):
+        assert path(16, 256, 64, h100) == "handler"
     assert path(w4a16_gemm.MAX_ENGINE_ROWS, 256, 64, h100) == "engine"
     assert path(w4a16_gemm.MAX_ENGINE_ROWS + 1, 256, 64, h100) == "xla"
 
@@ -431,9 +435,9 @@ def test_w4a16_path(monkeypatch):
         ((3, 6), 512, 64, "9.0", {}, [ENGINE]),  # 18 rows
         ((512,), 256, 64, "9.0", {}, [ENGINE]),
         ((513,), 256, 64, "9.0", {}, CUBLASLT),  # the decode pays off
-        ((16,), 256, 64, "9.0", {}, [HANDLER]),  # as fast, most shapes
-        ((16,), 256, 65, "9.0", {}, [ENGINE]),  # N odd: no handler
-        ((40,), 384, 64, "9.0", {}, [HANDLER]),  # K not a multiple of 256
+        ((1,), 256, 64, "9.0", {}, [ENGINE]),
+        ((16,), 256, 65, "9.0", {}, [ENGINE]),
+        ((40,), 384, 64, "9.0", {}, [HANDLER]),  # K off 256: no engine
         ((40,), 256, 64, "10.0", {}, [HANDLER]),  # sm_90a code: 9.0 only
         ((40,), 256, 64, "9.0", {"gemm_engine": False}, [HANDLER]),
         ((40,), 256, 64, "9.0", {"w4a16_gemm": False}, CUBLASLT),
@@ -622,13 +626,13 @@ def test_handler_folds_the_batch_into_rows():
 @needs_handler
 @pytest.mark.gpu
 def test_matmul_dispatch_on_gpu():
-    """Few rows take the handler; on an H100/H200 17 to 512 rows the engine,
-    elsewhere more than 64 the cuBLASLt path; K off 128 the cuBLASLt path,
+    """On an H100/H200 up to 512 rows take the engine; elsewhere few rows the
+    handler and more than 64 the cuBLASLt path; K off 128 the cuBLASLt path,
     one weight per item the cuBLASLt batch: all equal the exact sums."""
     cublaslt = [DECODE, GRAPH_GEMM] if bf16_gemm.cublaslt_gemm_supported() else []
     engine = w4a16_gemm.engine_supported(256)
     cases = [
-        (8, 256, [HANDLER]),
+        (8, 256, [ENGINE] if engine else [HANDLER]),
         (w4a16_gemm.MAX_HANDLER_ROWS + 16, 256, [ENGINE] if engine else cublaslt),
         (w4a16_gemm.MAX_ENGINE_ROWS + 16, 256, cublaslt),
         (8, 80, cublaslt),
