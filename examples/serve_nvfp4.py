@@ -23,13 +23,23 @@
    dequantized and multiplied by XLA (the same products; float32 summation
    order and where alpha is applied differ) and (b) the training-time
    forward, which quantizes the activations too (W4A4), then generates text
-   greedily from --prompt.
+   greedily from --prompt with a KV cache, the whole loop one jitted
+   program, and prints its tokens/s against the same model with every
+   weight in bfloat16 (the NVFP4 weights dequantized).
+
+For a model whose weights dominate the time (on a GPU), e.g.:
+
+    python examples/serve_nvfp4.py --steps 2 --layers 4 --d-model 4096 \
+        --heads 32 --ffn 14336 --seq-len 64 --batch 2 --new-tokens 128
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import tempfile
+import time
 
 import equinox as eqx
 import jax
@@ -87,58 +97,146 @@ def hf_weights(model: llama_equinox.Llama) -> tuple[dict, set[str]]:
     return weights, nvfp4
 
 
-def forward(weights: dict, tokens: jax.Array, heads: int, record=None, dense=False):
-    """Logits float32 [S, 256] of one example from Hugging Face-named tensors.
+def linear(weights: dict, name: str, x, record=None, dense=False):
+    """x times the layer's ``.weight`` [out, in]: ``jax_nvfp4.matmul(x, w)``
+    (W4A16) for an NVFP4Tensor, or with ``dense`` the product by its
+    dequantized values through XLA; a bf16 GEMM for the others.
+    ``record(name, x)`` (``checkpoint.calibrate``) sees the input."""
+    if record is not None:
+        x = record(name, x)
+    w = weights[name + ".weight"]
+    if isinstance(w, NVFP4Tensor):
+        if not dense:
+            return nv.matmul(x, w)
+        w = nv.dequantize(w, jnp.float32)  # [N, K]
+        return jnp.dot(x.astype(jnp.float32), w.T, precision="highest").astype(
+            jnp.bfloat16
+        )
+    return jnp.dot(x, w.T.astype(x.dtype))
 
-    A ``.weight`` that is an NVFP4Tensor runs ``jax_nvfp4.matmul(x, w)``
-    (W4A16), or with ``dense`` the product by its dequantized values through
-    XLA; others a bf16 GEMM. ``record(name, x)`` (``checkpoint.calibrate``)
-    sees each linear layer's input."""
 
-    def linear(name, x):
-        if record is not None:
-            x = record(name, x)
-        w = weights[name + ".weight"]
-        if isinstance(w, NVFP4Tensor):
-            if not dense:
-                return nv.matmul(x, w)
-            w = nv.dequantize(w, jnp.float32)  # [N, K]
-            return jnp.dot(x.astype(jnp.float32), w.T, precision="highest").astype(
-                jnp.bfloat16
-            )
-        return jnp.dot(x, w.T.astype(x.dtype))
-
-    layers = 1 + max(
+def _layer_count(weights: dict) -> int:
+    return 1 + max(
         int(name.split(".")[2]) for name in weights if name.startswith("model.layers.")
     )
+
+
+def forward(weights: dict, tokens: jax.Array, heads: int, record=None, dense=False):
+    """Logits float32 [S, 256] of one example from Hugging Face-named tensors
+    (``linear`` for each projection)."""
     x = weights["model.embed_tokens.weight"].astype(jnp.bfloat16)[tokens]
     s, d = x.shape
     cos, sin = llama_equinox.rope_tables(s, d // heads)
-    for i in range(layers):
+    for i in range(_layer_count(weights)):
         p = f"model.layers.{i}."
         h = llama_equinox.rms_norm(x, weights[p + "input_layernorm.weight"])
         q, k, v = (
-            linear(p + f"self_attn.{n}_proj", h).reshape(s, heads, d // heads)
+            linear(weights, p + f"self_attn.{n}_proj", h, record, dense).reshape(
+                s, heads, d // heads
+            )
             for n in "qkv"
         )
         q = llama_equinox.apply_rope(q, cos, sin)
         k = llama_equinox.apply_rope(k, cos, sin)
         attn = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(s, d)
-        x = x + linear(p + "self_attn.o_proj", attn)
+        x = x + linear(weights, p + "self_attn.o_proj", attn, record, dense)
         h = llama_equinox.rms_norm(x, weights[p + "post_attention_layernorm.weight"])
-        gate, up = linear(p + "mlp.gate_proj", h), linear(p + "mlp.up_proj", h)
-        x = x + linear(p + "mlp.down_proj", jax.nn.silu(gate) * up)
+        gate = linear(weights, p + "mlp.gate_proj", h, record, dense)
+        up = linear(weights, p + "mlp.up_proj", h, record, dense)
+        x = x + linear(
+            weights, p + "mlp.down_proj", jax.nn.silu(gate) * up, record, dense
+        )
     x = llama_equinox.rms_norm(x, weights["model.norm.weight"])
-    return linear("lm_head", x).astype(jnp.float32)
+    return linear(weights, "lm_head", x, record, dense).astype(jnp.float32)
 
 
-def generate(weights: dict, prompt: bytes, new_tokens: int, heads: int) -> bytes:
-    """Greedy decoding (the whole window recomputed per token: no KV cache)."""
-    step = jax.jit(lambda w, t: jnp.argmax(forward(w, t, heads)[-1]))
-    tokens = list(prompt)
-    for _ in range(new_tokens):
-        tokens.append(int(step(weights, jnp.asarray(tokens, jnp.int32))))
-    return bytes(tokens)
+def empty_cache(weights: dict, heads: int, length: int):
+    """Keys and values bf16 [layers, length, heads, head_dim], zeros."""
+    d = weights["model.embed_tokens.weight"].shape[1]
+    shape = (_layer_count(weights), length, heads, d // heads)
+    return jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)
+
+
+def decode(weights: dict, heads: int, cache, token, position):
+    """One token at ``position`` through the model with a KV cache (what
+    ``forward`` computes for that position, one row per GEMM): logits
+    float32 [256] and the cache holding this token's keys and values."""
+    keys, values = cache
+    length = keys.shape[1]
+    x = weights["model.embed_tokens.weight"].astype(jnp.bfloat16)[token][None]
+    d = x.shape[1]
+    head_dim = d // heads
+    cos, sin = llama_equinox.rope_tables(length, head_dim)
+    cos = jax.lax.dynamic_slice_in_dim(cos, position, 1)
+    sin = jax.lax.dynamic_slice_in_dim(sin, position, 1)
+    visible = jnp.arange(length) <= position
+    for i in range(keys.shape[0]):
+        p = f"model.layers.{i}."
+        h = llama_equinox.rms_norm(x, weights[p + "input_layernorm.weight"])
+        q, k, v = (
+            linear(weights, p + f"self_attn.{n}_proj", h).reshape(1, heads, head_dim)
+            for n in "qkv"
+        )
+        q = llama_equinox.apply_rope(q, cos, sin)[0]
+        k = llama_equinox.apply_rope(k, cos, sin)[0]
+        keys = keys.at[i, position].set(k)
+        values = values.at[i, position].set(v[0])
+        scores = jnp.einsum(
+            "hd,thd->ht", q.astype(jnp.float32), keys[i].astype(jnp.float32)
+        ) / math.sqrt(head_dim)
+        probabilities = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        attn = jnp.einsum("ht,thd->hd", probabilities, values[i].astype(jnp.float32))
+        x = x + linear(
+            weights, p + "self_attn.o_proj", attn.astype(x.dtype).reshape(1, d)
+        )
+        h = llama_equinox.rms_norm(x, weights[p + "post_attention_layernorm.weight"])
+        gate = linear(weights, p + "mlp.gate_proj", h)
+        up = linear(weights, p + "mlp.up_proj", h)
+        x = x + linear(weights, p + "mlp.down_proj", jax.nn.silu(gate) * up)
+    x = llama_equinox.rms_norm(x, weights["model.norm.weight"])
+    logits = linear(weights, "lm_head", x)[0].astype(jnp.float32)
+    return logits, (keys, values)
+
+
+def decode_logits(weights: dict, tokens: jax.Array, heads: int) -> jax.Array:
+    """Logits float32 [S, 256] of ``tokens`` fed one at a time through
+    ``decode`` (to check the cache against ``forward``)."""
+
+    def step(cache, position):
+        logits, cache = decode(weights, heads, cache, tokens[position], position)
+        return cache, logits
+
+    cache = empty_cache(weights, heads, tokens.shape[0])
+    return jax.lax.scan(step, cache, jnp.arange(tokens.shape[0]))[1]
+
+
+def _greedy(weights, tokens, *, heads: int, prompt: int):
+    """tokens int32 [L] with the prompt in front: every later position the
+    argmax after the one before it, one ``decode`` step per position."""
+
+    def step(position, state):
+        tokens, cache = state
+        logits, cache = decode(weights, heads, cache, tokens[position], position)
+        following = jnp.where(
+            position + 1 < prompt, tokens[position + 1], jnp.argmax(logits)
+        )
+        return tokens.at[position + 1].set(following.astype(tokens.dtype)), cache
+
+    cache = empty_cache(weights, heads, tokens.shape[0])
+    return jax.lax.fori_loop(0, tokens.shape[0] - 1, step, (tokens, cache))[0]
+
+
+def generate(weights: dict, prompt: bytes, new_tokens: int, heads: int):
+    """Greedy decoding with a KV cache, the loop one jitted program: the text
+    and the decode steps per second (one token through the model each, the
+    prompt's included), timed on a second run."""
+    run = jax.jit(functools.partial(_greedy, heads=heads, prompt=len(prompt)))
+    tokens = jnp.asarray(list(prompt) + [0] * new_tokens, jnp.int32)
+    out = jax.block_until_ready(run(weights, tokens))
+    start = time.perf_counter()
+    jax.block_until_ready(run(weights, tokens))
+    seconds = time.perf_counter() - start
+    return bytes(np.asarray(out).tolist()), (tokens.shape[0] - 1) / seconds
 
 
 def train(args) -> llama_equinox.Llama:
@@ -221,8 +319,19 @@ def main(argv=None) -> dict:
             jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(trained, -1))
         ),
     }
-    text = generate(served, args.prompt.encode(), args.new_tokens, args.heads)
+    cached = jax.jit(lambda w, t: decode_logits(w, t, args.heads))(served, tokens)
+    result["max_diff_cached_vs_forward"] = float(jnp.abs(cached - logits).max()) / scale
+    text, speed = generate(served, args.prompt.encode(), args.new_tokens, args.heads)
+    bf16_weights = {
+        k: nv.dequantize(v, jnp.bfloat16) if isinstance(v, NVFP4Tensor) else v
+        for k, v in served.items()
+    }
+    _, bf16_speed = generate(
+        bf16_weights, args.prompt.encode(), args.new_tokens, args.heads
+    )
     result["generated"] = text.decode("utf-8", errors="replace")
+    result["tokens_per_s"] = speed
+    result["tokens_per_s_bf16"] = bf16_speed
     print(f"checkpoint: {directory} ({len(nvfp4)} NVFP4 layers, the rest bf16)")
     print(f"FP4 weight bytes equal training's FPROP bytes: {same_bytes}")
     print(
@@ -234,7 +343,16 @@ def main(argv=None) -> dict:
         f"{result['max_diff_vs_training_forward']:.2e} of the largest logit, "
         f"top-1 agreement {result['top1_agreement_vs_training_forward']:.1%}"
     )
+    print(
+        "KV-cache decoding vs the whole-window forward: max |diff| "
+        f"{result['max_diff_cached_vs_forward']:.2e} of the largest logit"
+    )
     print(f"greedy: {result['generated']!r}")
+    print(
+        f"generation ({jax.default_backend()}): {speed:.1f} tokens/s with the NVFP4 "
+        f"weights (W4A16), {bf16_speed:.1f} with them in bf16 "
+        f"({speed / bf16_speed:.2f}x)"
+    )
     return result
 
 
