@@ -1,6 +1,7 @@
 // The launch plan of the Hopper engine's W4A16 GEMM
 // (ffi/gemm/engine/w4a16_plan.h): the configuration by rows of x, the
-// split of K over a cluster, the slices' blocks, what it refuses and why.
+// split of K over a cluster, the slices' blocks, what it refuses and why;
+// the permuted contraction's columns.
 #include <string>
 
 #include "check.h"
@@ -79,6 +80,31 @@ TEST(W4A16EngineRefusesWhatItCannotRead) {
   CHECK_CONTAINS(engine::PlanW4A16(1, 256, 0, 132, &p), "at least 1");
   CHECK_CONTAINS(engine::PlanW4A16(1, int64_t{65536} * 128, 256, 132, &p),
                  "N at most");
+}
+
+TEST(W4A16EnginePermutedTileMatchesTheDecodedRegisters) {
+  // The producer's pieces land on distinct columns of the 128-byte row...
+  bool taken[32] = {};
+  for (int piece = 0; piece < 32; ++piece) {
+    const int column = engine::W4A16PermutedColumn(piece);
+    CHECK(column >= 0 && column < 32);
+    CHECK(!taken[column]);
+    taken[column] = true;
+  }
+  // ...and wgmma's column of each decoded register pair holds that pair's
+  // elements: step j's columns 2t + 8h, +1 are 4-byte column 8j + 4h + t.
+  for (int t = 0; t < 4; ++t) {
+    for (int step = 0; step < 4; ++step) {
+      for (int half = 0; half < 2; ++half) {
+        const int element = engine::W4A16PermutedElement(t, step, half);
+        CHECK_EQ(engine::W4A16PermutedColumn(element / 2),
+                 (16 * step + 2 * t + 8 * half) / 2);
+        // Thread t's elements are its 16 of the group, in its 8 bytes.
+        CHECK(element >= 16 * t && element < 16 * t + 16);
+        CHECK_EQ(element % 16 / 2, 2 * step + half);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -160,11 +160,9 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
           }
         }
         const uint32_t tile = SmemAddress(ring.TileA(s));
-        // 4-byte piece p of a row's 64-element group holds elements
-        // 16t + 4j + 2h + (0, 1) (p = 8t + 2j + h), which wgmma reads as
-        // k16 step j's columns 2t + 8h + (0, 1): 4-byte column 8j + 4h + t.
-        // Lane p copies piece p of every row and group.
-        const int column = ((lane >> 1) & 3) * 8 + (lane & 1) * 4 + (lane >> 3);
+        // Lane p copies 4-byte piece p of every row's 64-element groups
+        // into the column wgmma reads it from (w4a16_plan.h).
+        const int column = W4A16PermutedColumn(lane);
         const __nv_bfloat16* source = x + int64_t{token0} * k + k0 + 2 * lane;
         for (int row = 0; row < rows; ++row, source += k) {
           const uint32_t destination = tile + row * 128 +

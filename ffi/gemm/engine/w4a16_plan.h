@@ -120,6 +120,22 @@ W4A16_PLAN_HD void W4A16SliceBlocks(int64_t k, int split, int splits,
   *end = static_cast<int>(blocks * (split + 1) / splits);
 }
 
+// The permuted contraction of the 16-token tile (w4a16.cuh). Of each 64
+// elements of K, thread t of a quad decodes the 8 bytes of elements 16t ..
+// 16t + 15 of its rows; byte 2j + h, elements W4A16PermutedElement(t, j, h)
+// and the next, fills its A registers for k16 step j, columns 2t + 8h and
+// 2t + 8h + 1: 4-byte column 8j + 4h + t of the group's 128-byte row of x.
+W4A16_PLAN_HD int W4A16PermutedElement(int t, int step, int half) {
+  return 16 * t + 4 * step + 2 * half;
+}
+
+// Where x's 4-byte piece p of a 64-element group (elements 2p, 2p + 1) goes
+// in the permuted tile's row: the column wgmma reads those elements from.
+W4A16_PLAN_HD int W4A16PermutedColumn(int piece) {
+  const int t = piece >> 3, step = (piece >> 1) & 3, half = piece & 1;
+  return 8 * step + 4 * half + t;
+}
+
 }  // namespace engine
 }  // namespace jax_nvfp4
 
