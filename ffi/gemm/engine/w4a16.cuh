@@ -25,8 +25,8 @@
 // of a quad takes elements 16t .. 16t + 15 of its rows (8 bytes, one block
 // scale), which wgmma sees as columns 2t + 8h + e of k16 step j for element
 // 16t + 4j + 2h + e. The producer warp writes x's tile in that order with
-// 4-byte asynchronous copies (TMA copies boxes as they are); one load, one
-// scale and four decodes of 8 elements per row serve four k16 steps, where
+// 4-byte asynchronous copies (TMA copies boxes as they are); per row, one
+// load, one scale and two decodes of 8 elements serve four k16 steps, where
 // the natural order needs byte picks and a scale per step.
 //
 // The epilogue stages the 128 x tokens float32 tile in shared memory
@@ -263,33 +263,34 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
           f[j][2] = j % 2 ? a.w : a.y;    // row r, columns 2t + 8, 2t + 9
           f[j][3] = j % 2 ? a8.w : a8.y;  // row r + 8
         }
-      }
+      } else {
 #pragma unroll
-      for (int c = 0; c < (S::kPermutedX ? 0 : 2);
-           ++c) {  // 16 bytes of a row: k16 steps 2c, 2c + 1
-        const int piece = (2 * u + c) * 16;
-        const uint32_t address = codes + row_offset + (piece ^ swizzle_key);
-        const uint4 row = LoadShared16(address);
-        const uint4 row8 = LoadShared16(address + 8 * S::kCodePitch);
+        for (int c = 0; c < 2;
+             ++c) {  // 16 bytes of a row: k16 steps 2c, 2c + 1
+          const int piece = (2 * u + c) * 16;
+          const uint32_t address = codes + row_offset + (piece ^ swizzle_key);
+          const uint4 row = LoadShared16(address);
+          const uint4 row8 = LoadShared16(address + 8 * S::kCodePitch);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int j = 2 * c + h;
-          // Bytes t and t + 4 of the k16 step's 8 (columns 2t, 2t + 1 and
-          // 2t + 8, 2t + 9) of row r, then of row r + 8.
-          const uint32_t codes_r =
-              __byte_perm(h ? row.z : row.x, h ? row.w : row.y, pick);
-          const uint32_t codes_r8 =
-              __byte_perm(h ? row8.z : row8.x, h ? row8.w : row8.y, pick);
-          uint32_t scale_r, scale_r8;
-          ScalePairsBf16(
-              __byte_perm(scale_words[0], scale_words[1], j | (j + 4) << 4),
-              scale_r, scale_r8);
-          const uint4 v = DecodeCodes8Bf16(
-              __byte_perm(codes_r, codes_r8, 0x5410), scale_r, scale_r8);
-          f[j][0] = v.x;  // row r, columns 2t, 2t + 1
-          f[j][1] = v.z;  // row r + 8
-          f[j][2] = v.y;  // row r, columns 2t + 8, 2t + 9
-          f[j][3] = v.w;  // row r + 8
+          for (int h = 0; h < 2; ++h) {
+            const int j = 2 * c + h;
+            // Bytes t and t + 4 of the k16 step's 8 (columns 2t, 2t + 1 and
+            // 2t + 8, 2t + 9) of row r, then of row r + 8.
+            const uint32_t codes_r =
+                __byte_perm(h ? row.z : row.x, h ? row.w : row.y, pick);
+            const uint32_t codes_r8 =
+                __byte_perm(h ? row8.z : row8.x, h ? row8.w : row8.y, pick);
+            uint32_t scale_r, scale_r8;
+            ScalePairsBf16(
+                __byte_perm(scale_words[0], scale_words[1], j | (j + 4) << 4),
+                scale_r, scale_r8);
+            const uint4 v = DecodeCodes8Bf16(
+                __byte_perm(codes_r, codes_r8, 0x5410), scale_r, scale_r8);
+            f[j][0] = v.x;  // row r, columns 2t, 2t + 1
+            f[j][1] = v.z;  // row r + 8
+            f[j][2] = v.y;  // row r, columns 2t + 8, 2t + 9
+            f[j][3] = v.w;  // row r + 8
+          }
         }
       }
       WgmmaFence();
