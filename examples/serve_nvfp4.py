@@ -121,33 +121,45 @@ def _layer_count(weights: dict) -> int:
     )
 
 
-def forward(weights: dict, tokens: jax.Array, heads: int, record=None, dense=False):
-    """Logits float32 [S, 256] of one example from Hugging Face-named tensors
-    (``linear`` for each projection)."""
-    x = weights["model.embed_tokens.weight"].astype(jnp.bfloat16)[tokens]
+def _decoder(weights: dict, x, heads: int, cos, sin, attend, project):
+    """The decoder stack on embeddings x bf16 [S, d] at the positions of the
+    rotary tables cos, sin [S, head_dim / 2]: ``attend(i, q, k, v)`` is
+    layer i's attention ([S, heads, head_dim], q and k rotated),
+    ``project(name, x)`` a projection. Logits float32 [S, 256]."""
     s, d = x.shape
-    cos, sin = llama_equinox.rope_tables(s, d // heads)
     for i in range(_layer_count(weights)):
         p = f"model.layers.{i}."
         h = llama_equinox.rms_norm(x, weights[p + "input_layernorm.weight"])
         q, k, v = (
-            linear(weights, p + f"self_attn.{n}_proj", h, record, dense).reshape(
-                s, heads, d // heads
-            )
+            project(p + f"self_attn.{n}_proj", h).reshape(s, heads, d // heads)
             for n in "qkv"
         )
         q = llama_equinox.apply_rope(q, cos, sin)
         k = llama_equinox.apply_rope(k, cos, sin)
-        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(s, d)
-        x = x + linear(weights, p + "self_attn.o_proj", attn, record, dense)
+        attn = attend(i, q, k, v).reshape(s, d)
+        x = x + project(p + "self_attn.o_proj", attn)
         h = llama_equinox.rms_norm(x, weights[p + "post_attention_layernorm.weight"])
-        gate = linear(weights, p + "mlp.gate_proj", h, record, dense)
-        up = linear(weights, p + "mlp.up_proj", h, record, dense)
-        x = x + linear(
-            weights, p + "mlp.down_proj", jax.nn.silu(gate) * up, record, dense
-        )
+        gate = project(p + "mlp.gate_proj", h)
+        up = project(p + "mlp.up_proj", h)
+        x = x + project(p + "mlp.down_proj", jax.nn.silu(gate) * up)
     x = llama_equinox.rms_norm(x, weights["model.norm.weight"])
-    return linear(weights, "lm_head", x, record, dense).astype(jnp.float32)
+    return project("lm_head", x).astype(jnp.float32)
+
+
+def forward(weights: dict, tokens: jax.Array, heads: int, record=None, dense=False):
+    """Logits float32 [S, 256] of one example from Hugging Face-named tensors
+    (``linear`` for each projection)."""
+    x = weights["model.embed_tokens.weight"].astype(jnp.bfloat16)[tokens]
+    cos, sin = llama_equinox.rope_tables(x.shape[0], x.shape[1] // heads)
+    return _decoder(
+        weights,
+        x,
+        heads,
+        cos,
+        sin,
+        attend=lambda i, q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+        project=lambda name, x: linear(weights, name, x, record, dense),
+    )
 
 
 def empty_cache(weights: dict, heads: int, length: int):
@@ -162,40 +174,32 @@ def decode(weights: dict, heads: int, cache, token, position):
     ``forward`` computes for that position, one row per GEMM): logits
     float32 [256] and the cache holding this token's keys and values."""
     keys, values = cache
-    length = keys.shape[1]
-    x = weights["model.embed_tokens.weight"].astype(jnp.bfloat16)[token][None]
-    d = x.shape[1]
-    head_dim = d // heads
+    length, head_dim = keys.shape[1], keys.shape[3]
     cos, sin = llama_equinox.rope_tables(length, head_dim)
-    cos = jax.lax.dynamic_slice_in_dim(cos, position, 1)
-    sin = jax.lax.dynamic_slice_in_dim(sin, position, 1)
     visible = jnp.arange(length) <= position
-    for i in range(keys.shape[0]):
-        p = f"model.layers.{i}."
-        h = llama_equinox.rms_norm(x, weights[p + "input_layernorm.weight"])
-        q, k, v = (
-            linear(weights, p + f"self_attn.{n}_proj", h).reshape(1, heads, head_dim)
-            for n in "qkv"
-        )
-        q = llama_equinox.apply_rope(q, cos, sin)[0]
-        k = llama_equinox.apply_rope(k, cos, sin)[0]
-        keys = keys.at[i, position].set(k)
+
+    def attend(i, q, k, v):
+        nonlocal keys, values
+        keys = keys.at[i, position].set(k[0])
         values = values.at[i, position].set(v[0])
         scores = jnp.einsum(
-            "hd,thd->ht", q.astype(jnp.float32), keys[i].astype(jnp.float32)
+            "hd,thd->ht", q[0].astype(jnp.float32), keys[i].astype(jnp.float32)
         ) / math.sqrt(head_dim)
         probabilities = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
         attn = jnp.einsum("ht,thd->hd", probabilities, values[i].astype(jnp.float32))
-        x = x + linear(
-            weights, p + "self_attn.o_proj", attn.astype(x.dtype).reshape(1, d)
-        )
-        h = llama_equinox.rms_norm(x, weights[p + "post_attention_layernorm.weight"])
-        gate = linear(weights, p + "mlp.gate_proj", h)
-        up = linear(weights, p + "mlp.up_proj", h)
-        x = x + linear(weights, p + "mlp.down_proj", jax.nn.silu(gate) * up)
-    x = llama_equinox.rms_norm(x, weights["model.norm.weight"])
-    logits = linear(weights, "lm_head", x)[0].astype(jnp.float32)
-    return logits, (keys, values)
+        return attn.astype(q.dtype)[None]
+
+    x = weights["model.embed_tokens.weight"].astype(jnp.bfloat16)[token][None]
+    logits = _decoder(
+        weights,
+        x,
+        heads,
+        jax.lax.dynamic_slice_in_dim(cos, position, 1),
+        jax.lax.dynamic_slice_in_dim(sin, position, 1),
+        attend,
+        project=lambda name, x: linear(weights, name, x),
+    )
+    return logits[0], (keys, values)
 
 
 def decode_logits(weights: dict, tokens: jax.Array, heads: int) -> jax.Array:
