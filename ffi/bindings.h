@@ -178,6 +178,19 @@ auto MatmulW4A16Sm90Binding(Binder&& binder) {
       .template Ret<ffi::AnyBuffer>();         // out [M, N]
 }
 
+// jax_nvfp4_ragged_w4a16_sm90 (CUDA): the grouped form, x's rows in groups,
+// group g's times weight g (ffi/gemm/engine/w4a16_gemm.cu).
+template <typename Binder>
+auto RaggedW4A16Sm90Binding(Binder&& binder) {
+  return std::move(binder)
+      .template Arg<ffi::Buffer<ffi::BF16>>()  // x [T, K]
+      .template Arg<ffi::Buffer<ffi::U8>>()    // w codes [G, N, K/2]
+      .template Arg<ffi::AnyBuffer>()          // w e4m3 scales [G, N, K/16]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // w amax [G]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
+      .template Ret<ffi::AnyBuffer>();         // out [T, N]
+}
+
 // jax_nvfp4_matmul_w4a16 (CUDA): the same product by the mma.sync kernel
 // (ffi/gemm/mma/w4a16_gemm.cu), which also takes a workspace.
 template <typename Binder>

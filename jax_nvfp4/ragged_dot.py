@@ -8,6 +8,11 @@ linear layer of its own, with per-group tensor scales (docs/DESIGN.md,
 checks, the key's conversion to words and the result's sharding type; the
 recipe's custom VJP over the group-aligned token buffer is
 ``recipe/grouped.py``.
+
+With an NVFP4Tensor of expert weights and bfloat16 rows (an imported
+checkpoint's experts, serving), ``ragged_dot`` is the grouped weight-only
+GEMM (W4A16): the weights stay 4-bit and are decoded inside the GEMM
+(``ops.ragged_w4a16_matmul``).
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jax_nvfp4.format import is_supported_input_dtype
+from jax_nvfp4.format import BLOCK_SIZE, NVFP4Tensor, is_supported_input_dtype
 from jax_nvfp4.keys import key_words
 from jax_nvfp4.ops import sharding, token_buffer
+from jax_nvfp4.ops.ragged_w4a16_matmul import ragged_w4a16_matmul
 from jax_nvfp4.recipe import NVFP4, OUTPUT, Recipe
 from jax_nvfp4.recipe.grouped import grouped_product
 from jax_nvfp4.recipe.steps import refuse_forward_mode
@@ -61,6 +67,11 @@ def _check_operands(x, w, group_sizes, recipe):
             "multiples of 16 — pad the experts or keep them in bf16 "
             "(recipe=jax_nvfp4.BF16)"
         )
+    return x, w, _group_sizes_int32(group_sizes, w.shape[0], x.shape[0])
+
+
+def _group_sizes_int32(group_sizes, groups: int, rows: int):
+    """group_sizes as int32 [groups]; concrete sizes checked."""
     if not hasattr(group_sizes, "dtype"):
         group_sizes = np.asarray(group_sizes)
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
@@ -68,30 +79,82 @@ def _check_operands(x, w, group_sizes, recipe):
             f"group_sizes must be integers (int32), one row count per group; got "
             f"{group_sizes.dtype}"
         )
-    if group_sizes.shape != (w.shape[0],):
+    if group_sizes.shape != (groups,):
         raise ValueError(
-            f"group_sizes must have shape ({w.shape[0]},), one row count per group "
-            f"of w {w.shape}; got shape {group_sizes.shape}"
+            f"group_sizes must have shape ({groups},), one row count per group "
+            f"(expert); got shape {group_sizes.shape}"
         )
     try:  # concrete sizes can be checked; traced ones cannot
         sizes = np.asarray(group_sizes).astype(np.int64)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         sizes = None
-    if sizes is not None:
-        # A sum below T is lax.ragged_dot's padding (e.g. a capacity buffer
-        # of expert parallelism): the rows past it give zeros.
-        if (sizes < 0).any() or sizes.sum() > x.shape[0]:
-            raise ValueError(
-                f"group_sizes {sizes.tolist()} must be non-negative and sum to at "
-                f"most the {x.shape[0]} rows of x: the rows of x are sorted by "
-                "group, group g's rows following group g-1's"
-            )
-    return x, w, jnp.asarray(group_sizes, jnp.int32)
+    if sizes is not None and ((sizes < 0).any() or sizes.sum() > rows):
+        raise ValueError(
+            f"group_sizes {sizes.tolist()} must be non-negative and sum to at "
+            f"most the {rows} rows of x: the rows of x are sorted by group, "
+            "group g's rows following group g-1's"
+        )
+    return jnp.asarray(group_sizes, jnp.int32)
+
+
+def _weight_only(x, w: NVFP4Tensor, group_sizes, preferred_element_type):
+    """bfloat16 rows x [T, K] by NVFP4 expert weights: the grouped W4A16 GEMM."""
+    if not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    if x.dtype != jnp.bfloat16:
+        raise TypeError(
+            "ragged_dot of activations by NVFP4 expert weights takes bfloat16 "
+            f"activations (exact products with the decoded weights); x is "
+            f"{x.dtype}: pass x.astype(jnp.bfloat16)"
+        )
+    stored = w.stored_shape
+    if w.batch_ndim == 1 and len(stored) == 2 and w.axis == 0:
+        # One tensor per expert, stacked (vmap of quantize, or an imported
+        # checkpoint's experts stacked leaf by leaf): amax [G].
+        groups, (n, k) = w.codes.shape[0], stored
+    elif w.batch_ndim == 0 and len(stored) == 3 and w.axis == 1:
+        # w [G, K, N] quantized along K as one tensor: one amax for all.
+        groups, n, k = stored
+    else:
+        raise ValueError(
+            "the NVFP4 expert weights must be [G, K, N] quantized along K: one "
+            "tensor per expert stacked (jax.vmap(lambda w: quantize(w, axis=0))"
+            " of w [G, K, N], or jax.tree.map(jnp.stack, *experts)), or one "
+            "tensor quantize(w, axis=1); got stored shape "
+            f"{stored} (quantized axis {w.axis}) with {w.batch_ndim} vmapped axes"
+        )
+    if w.rht:
+        raise ValueError(
+            "the expert weights are Random-Hadamard-transformed along K, which "
+            "only cancels against transformed activations: quantize them "
+            "without rht for serving"
+        )
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(
+            f"x {x.shape} must be [T, K] with the experts' K={k} (fold x's "
+            "leading axes into T first)"
+        )
+    sizes = _group_sizes_int32(group_sizes, groups, x.shape[0])
+    dtype = np.dtype(preferred_element_type or jnp.bfloat16)
+    if dtype not in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+        raise TypeError(
+            f"preferred_element_type must be bfloat16 or float32 with NVFP4 "
+            f"expert weights, got {dtype}"
+        )
+    amax = jnp.broadcast_to(jnp.asarray(w.amax, jnp.float32).reshape(-1), (groups,))
+    return ragged_w4a16_matmul(
+        x,
+        w.codes.reshape(groups, n, k // 2),
+        w.scales.reshape(groups, n, k // BLOCK_SIZE),
+        amax,
+        sizes,
+        dtype=dtype,
+    )
 
 
 def ragged_dot(
     x: jax.Array,
-    w: jax.Array,
+    w: jax.Array | NVFP4Tensor,
     group_sizes: jax.Array,
     precision=None,
     preferred_element_type=None,
@@ -104,9 +167,19 @@ def ragged_dot(
     (mixture-of-experts layers: each expert's GEMM is a linear layer of its
     own, with its own tensor scales).
 
+    With ``w`` an NVFP4Tensor of expert weights (serving an imported
+    checkpoint) it is the grouped weight-only GEMM (W4A16): bfloat16 x times
+    the weights decoded inside the GEMM, no bf16 copy of them, forward only
+    (``key`` and ``recipe`` do not apply).
+
     Args:
-      x: [T, K] rows sorted by group (float32, bfloat16 or float16).
+      x: [T, K] rows sorted by group (float32, bfloat16 or float16;
+        bfloat16 with NVFP4 weights).
       w: [G, K, N] one weight per group, x's dtype; K and N multiples of 16.
+        Or NVFP4 expert weights [G, K, N] quantized along K: the experts'
+        tensors stacked (``jax.tree.map(lambda *a: jnp.stack(a),
+        *experts)``, or ``jax.vmap(lambda e: quantize(e, axis=0))(w)``),
+        each with its own amax.
       group_sizes: int [G], the rows of each group, non-negative, summing to
         at most T: rows past their sum give zeros in y and dx and add nothing
         to dw (as in ``lax.ragged_dot``). Concrete sizes are checked; traced
@@ -129,6 +202,8 @@ def ragged_dot(
             "ragged_dot's group_offset (a shard of the groups) is not supported; "
             "pass all groups"
         )
+    if isinstance(w, NVFP4Tensor):
+        return _weight_only(x, w, group_sizes, preferred_element_type)
     x, w, group_sizes = _check_operands(x, w, group_sizes, recipe)
     words = None  # no key where the recipe needs one: forward only
     if not recipe.needs_key or key is not None:

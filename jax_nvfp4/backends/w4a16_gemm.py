@@ -42,17 +42,21 @@ from jax_nvfp4.format import SCALE_RANGE
 
 __all__ = [
     "ENGINE_TARGET",
+    "RAGGED_ENGINE_TARGET",
     "MAX_ENGINE_ROWS",
     "MAX_HANDLER_ROWS",
     "TARGET",
     "engine_supported",
     "handler_supported",
     "matmul_w4a16",
+    "ragged_w4a16",
 ]
 
 TARGET = "jax_nvfp4_matmul_w4a16"
 MIN_CAPABILITY = (8, 0)  # bf16 mma.sync
 ENGINE_TARGET = "jax_nvfp4_matmul_w4a16_sm90"
+# The grouped form (ragged_dot by NVFP4 experts) of the engine's kernel.
+RAGGED_ENGINE_TARGET = "jax_nvfp4_ragged_w4a16_sm90"
 ENGINE_K_MULTIPLE = 256  # TMA reads a weight row's scales 16 bytes at a time
 # Rows of x the engine serves (benchmarks/serving_bench.py): from 17 rows it
 # is the faster of the two register-decoding kernels (at 16 and fewer the
@@ -75,11 +79,13 @@ def handler_supported(k: int, n: int, target: Any = None) -> bool:
     return bool(lowered_for) and devices.all_capable(lowered_for, MIN_CAPABILITY)
 
 
-def engine_supported(k: int, target: Any = None) -> bool:
-    """Whether the Hopper engine's handler takes a weight [N, K]: compiled
-    in, every device of compute capability 9.0 exactly, K a positive
-    multiple of 256."""
-    if ENGINE_TARGET not in library.targets_on("cuda"):
+def engine_supported(k: int, target: Any = None, *, grouped: bool = False) -> bool:
+    """Whether the Hopper engine's handler takes a weight [N, K] (``grouped``:
+    its grouped form, weights [G, N, K]): compiled in, every device of
+    compute capability 9.0 exactly, K a positive multiple of 256."""
+    if (RAGGED_ENGINE_TARGET if grouped else ENGINE_TARGET) not in library.targets_on(
+        "cuda"
+    ):
         return False
     if k <= 0 or k % ENGINE_K_MULTIPLE:
         return False
@@ -158,3 +164,39 @@ def matmul_w4a16(
     unit = jnp.full((1,), SCALE_RANGE, jnp.float32)  # alpha = amax / 2688
     out = bf16_gemm.matmul_values(x, w, unit, amax, dtype, graphs=graphs)
     return out.reshape(batch, m, n)
+
+
+def ragged_w4a16(
+    x: jax.Array,
+    codes: jax.Array,
+    scales: jax.Array,
+    amax: jax.Array,
+    group_sizes: jax.Array,
+    dtype: Any,
+    *,
+    path: str,
+) -> jax.Array:
+    """The grouped form: x bfloat16 [T, K], its rows in groups of
+    ``group_sizes`` int32 [G], group g's rows times weight g (codes uint8
+    [G, N, K/2], scales float8_e4m3fn [G, N, K/16], amax float32 [G]) ->
+    [T, N] of dtype: a lowering body. path: "engine" (the Hopper engine's
+    grouped handler) or "xla" (the twin)."""
+    dtype = np.dtype(dtype)
+    amax = jnp.asarray(amax, jnp.float32).reshape(-1)
+    rows, k = x.shape
+    n = codes.shape[1]
+    if path == "xla" or 0 in (rows, n, k):
+        return reference.ragged_w4a16_matmul(
+            x, codes, scales, amax, group_sizes, dtype=dtype
+        )
+    if path != "engine":
+        raise ValueError(f"path must be 'engine' or 'xla', got {path!r}")
+    if k % ENGINE_K_MULTIPLE:
+        raise ValueError(
+            f"the engine's grouped W4A16 GEMM needs K a multiple of "
+            f"{ENGINE_K_MULTIPLE}, got K = {k}: use path 'auto' or 'xla'"
+        )
+    result = jax.ShapeDtypeStruct((rows, n), dtype)
+    return jax.ffi.ffi_call(RAGGED_ENGINE_TARGET, result)(
+        x, codes, scales, amax, group_sizes.astype(jnp.int32)
+    )

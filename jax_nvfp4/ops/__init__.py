@@ -1,6 +1,7 @@
 """The primitive layer: one module per primitive family (``quantize``,
 ``amax``, ``dequantize``, ``decode``, ``matmul``, ``grouped_matmul``,
-``w4a16_matmul``) on the handlers' rank-3 layout ``[batch, m, k]``, built by
+``w4a16_matmul``, ``ragged_w4a16_matmul``) on the handlers' rank-3 layout
+``[batch, m, k]`` (the grouped ones on rows [T, k]), built by
 ``primitive.define`` with shared ``batching`` and ``sharding`` helpers.
 ``jax_nvfp4.reference`` has functions of the same names and signatures (the
 pure-JAX twins)."""
@@ -25,6 +26,10 @@ from jax_nvfp4.ops.quantize import (
     quantize_rows_cols,
     quantize_rows_cols_p,
     quantize_rows_p,
+)
+from jax_nvfp4.ops.ragged_w4a16_matmul import (
+    ragged_w4a16_matmul,
+    ragged_w4a16_matmul_p,
 )
 from jax_nvfp4.ops.w4a16_matmul import w4a16_matmul, w4a16_matmul_p
 
@@ -52,6 +57,8 @@ __all__ = [
     "quantize_rows_cols",
     "quantize_rows_cols_p",
     "quantize_rows_p",
+    "ragged_w4a16_matmul",
+    "ragged_w4a16_matmul_p",
     "w4a16_matmul",
     "w4a16_matmul_p",
 ]

@@ -30,7 +30,10 @@ multiple of 256), ``"handler"`` (the mma.sync kernel, the weight decoded in
 registers; up to 64 rows, from 8.0, where the engine does not run),
 ``"cublaslt"`` (the decoded weight, by the decode
 handler where it is built, and the cuBLASLt bf16 GEMM) or ``"xla"`` (the
-twin).
+twin). Its grouped form (``ragged_dot(x_bf16, w_nvfp4)``, mixture-of-experts
+serving; ``ragged_w4a16_path``): ``"engine"`` (the same kernel, a token tile
+per group's rows; compute capability 9.0, K a multiple of 256) or
+``"xla"`` (the twin: XLA's ragged_dot on the decoded weights).
 
 Operand form, chosen when traced (``decoded_operands``,
 ``grouped_decoded_operands``, from the setting ``gemm_operands``): whether
@@ -62,6 +65,7 @@ from jax_nvfp4.reference.gemm import is_decoded
 __all__ = [
     "DENSE",
     "GROUPED",
+    "RAGGED_W4A16",
     "W4A16",
     "decoded_operands",
     "dense_path",
@@ -69,6 +73,8 @@ __all__ = [
     "grouped_decoded_operands",
     "grouped_path",
     "matmul_cuda",
+    "ragged_w4a16_cuda",
+    "ragged_w4a16_path",
     "w4a16_cuda",
     "w4a16_path",
 ]
@@ -76,6 +82,7 @@ __all__ = [
 DENSE = ("native_fp4", "cublaslt_bf16", "xla_bf16")
 GROUPED = ("per_group", "engine", "bf16_handler", "xla_ragged", "native_fp4")
 W4A16 = ("engine", "handler", "cublaslt", "xla")
+RAGGED_W4A16 = ("engine", "xla")
 
 
 def dense_path(target: Sequence[Any] | None = None) -> str:
@@ -219,6 +226,32 @@ def w4a16_cuda(x, codes, scales, amax, *, dtype, path):
         path=path,
         decode_handler=bf16_gemm.DECODE_TARGET in library.targets_on("cuda"),
         graphs=gemm_graphs(),
+    )
+
+
+def ragged_w4a16_path(k: int, n: int, target: Any = None) -> str:
+    """The grouped weight-only GEMM of bf16 rows by NVFP4 weights [G, n, k],
+    lowered for ``target``: one of ``RAGGED_W4A16``. The engine's grouped
+    form where it runs (compute capability 9.0, K a multiple of 256);
+    elsewhere XLA's ragged_dot on the decoded weights."""
+    settings = config.settings()
+    if (
+        n > 0
+        and settings.w4a16_gemm
+        and settings.gemm_engine
+        and w4a16_gemm.engine_supported(
+            k, devices.lowering_devices(target), grouped=True
+        )
+    ):
+        return "engine"
+    return "xla"
+
+
+def ragged_w4a16_cuda(x, codes, scales, amax, group_sizes, *, dtype, path):
+    """The grouped W4A16 primitive's CUDA lowering body: the GEMM of ``path``
+    (one of ``RAGGED_W4A16``)."""
+    return w4a16_gemm.ragged_w4a16(
+        x, codes, scales, amax, group_sizes, dtype, path=path
     )
 
 

@@ -15,6 +15,7 @@ from jax_nvfp4.reference.gemm import (
     matmul,
     matmul_dequantize_bf16,
     operand_bf16,
+    ragged_w4a16_matmul,
     w4a16_matmul,
 )
 from jax_nvfp4.reference.numerics import (
@@ -62,6 +63,7 @@ __all__ = [
     "quantize_rows",
     "quantize_rows_cols",
     "random_bytes",
+    "ragged_w4a16_matmul",
     "random_hadamard16",
     "rht_matrix",
     "w4a16_matmul",

@@ -1,5 +1,5 @@
 """The GEMM twins: the dense matmul (in-order sums and the bf16-decode form),
-the grouped GEMM's two forms and the W4A16 GEMM."""
+the grouped GEMM's two forms and the W4A16 GEMM, dense and grouped."""
 
 from __future__ import annotations
 
@@ -197,3 +197,21 @@ def w4a16_matmul(x, codes, scales, amax, *, dtype):
         x, w, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32
     )
     return (acc * alpha[:, None, None]).astype(dtype)
+
+
+def ragged_w4a16_matmul(x, codes, scales, amax, group_sizes, *, dtype):
+    """The grouped weight-only GEMM of serving (W4A16, ``ragged_dot`` of
+    mixture-of-experts layers): x bfloat16 [T, k], its rows in groups of
+    ``group_sizes`` int32 [G], group g's rows times weight g (codes uint8
+    [G, n, k/2], scales float8_e4m3fn [G, n, k/16], amax float32 [G]) ->
+    [T, n] of dtype: (amax[g] / 2688) * sum_k x * e2m1(code) * s. Rows past
+    the sizes' sum are zeros.
+
+    The products are exact and summed in float32 by XLA's ``ragged_dot``,
+    in its order, then scaled and rounded once, as ``w4a16_matmul``."""
+    w = jnp.swapaxes(decode_bf16(codes, scales), 1, 2)  # [G, k, n]
+    acc = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+    alpha = divide(amax.reshape(-1), _F32(SCALE_RANGE))
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32)
+    row_alpha = alpha.at[_group_of(group_sizes, rows)].get(mode="fill", fill_value=0)
+    return (acc * row_alpha[:, None]).astype(dtype)

@@ -82,6 +82,71 @@ TEST(W4A16EngineRefusesWhatItCannotRead) {
                  "N at most");
 }
 
+TEST(W4A16EngineGroupedPlanCoversEveryGroupsTiles) {
+  engine::W4A16Plan p;
+  // 8 experts x 16 rows: 16-token tiles, one spare tile per group.
+  CHECK_EQ(engine::PlanW4A16Grouped(128, 8, 14336, 4096, 132, &p),
+           std::string());
+  CHECK_EQ(p.config.tokens, 16);
+  CHECK_EQ(p.token_tiles, 8 + 8);
+  CHECK_EQ(p.weight_tiles, 112);
+  CHECK_EQ(p.splits, 1);
+  // Prefill-sized groups take the compute-bound tile.
+  CHECK_EQ(engine::PlanW4A16Grouped(8 * 2048, 8, 4096, 4096, 132, &p),
+           std::string());
+  CHECK_EQ(p.config.tokens, 128);
+  CHECK_EQ(p.token_tiles, 128 + 8);
+  CHECK_CONTAINS(engine::PlanW4A16Grouped(16, 0, 256, 256, 132, &p),
+                 "at least one group");
+  CHECK_CONTAINS(engine::PlanW4A16Grouped(16, 2, 256, 384, 132, &p),
+                 "ragged_w4a16_sm90 needs K a multiple of 256");
+  CHECK_CONTAINS(engine::PlanW4A16Grouped(16, 1 << 20, 4096, 256, 132, &p),
+                 "G * N below 2^31");
+}
+
+TEST(W4A16EngineGroupTilesPartitionTheRows) {
+  // Empty groups, a group off a multiple of 16, rows past the sizes' sum.
+  const int32_t sizes[] = {0, 37, 16, 0, 5};
+  const int64_t rows = 70;  // 58 in groups, 12 of padding
+  int64_t covered[70] = {};
+  int tiles = 0;
+  for (int64_t tile = 0; tile < (rows + 15) / 16 + 5; ++tile) {
+    int group = -1;
+    int64_t token0 = -1, end = -1;
+    if (!engine::W4A16GroupTile(sizes, 5, rows, tile, 16, &group, &token0,
+                                &end)) {
+      continue;
+    }
+    ++tiles;
+    CHECK(sizes[group] > 0);
+    CHECK(token0 < end && end <= rows);
+    for (int64_t r = token0; r < end && r < token0 + 16; ++r) ++covered[r];
+  }
+  CHECK_EQ(tiles, 3 + 1 + 1);
+  for (int64_t r = 0; r < rows; ++r) CHECK_EQ_FOR(covered[r], r < 58, r);
+  // Group 1's rows 0..36 are tiles 0-2, ending at its end.
+  int group = -1;
+  int64_t token0 = -1, end = -1;
+  CHECK(engine::W4A16GroupTile(sizes, 5, rows, 2, 16, &group, &token0, &end));
+  CHECK_EQ(group, 1);
+  CHECK_EQ(token0, 32);
+  CHECK_EQ(end, 37);
+  CHECK(engine::W4A16GroupTile(sizes, 5, rows, 4, 16, &group, &token0, &end));
+  CHECK_EQ(group, 4);
+  CHECK_EQ(token0, 53);
+  CHECK_EQ(end, 58);
+  // Sizes past the rows (or negative) are clamped: nothing outside x.
+  const int32_t bad[] = {-3, 50, 50};
+  int64_t last_end = 0;
+  for (int64_t tile = 0; tile < 8; ++tile) {
+    if (engine::W4A16GroupTile(bad, 3, 60, tile, 16, &group, &token0, &end)) {
+      CHECK(end <= 60);
+      last_end = end;
+    }
+  }
+  CHECK_EQ(last_end, 60);
+}
+
 TEST(W4A16EnginePermutedTileMatchesTheDecodedRegisters) {
   // The producer's pieces land on distinct columns of the 128-byte row...
   bool taken[32] = {};

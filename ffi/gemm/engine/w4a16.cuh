@@ -104,31 +104,44 @@ constexpr CUtensorMapSwizzle SwizzleOf() {
 // codes_map: uint8 [N, K / 2] in boxes of kBlockK / 2 x 128, swizzled by
 // that width; scales_map: uint8 [N, K / 16] in boxes of 16 x 128. grid
 // (token tiles, weight tiles, splits), the splits one cluster
-// (w4a16_plan.h).
+// (w4a16_plan.h). groups > 0: the grouped form, x's rows in groups of
+// group_sizes, group g's times weight g (codes and scales maps over all G
+// weights' rows, amax [G]); each CTA finds its group's token tile
+// (W4A16GroupTile), and those past the last tile return at once (a
+// cluster's CTAs share blockIdx.x, so they return together).
 template <int kTokens, int kBlockK, int kStages, int kBlocksPerSm, typename Out>
 __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
     W4A16Kernel(const __grid_constant__ CUtensorMap x_map,
                 const __grid_constant__ CUtensorMap codes_map,
                 const __grid_constant__ CUtensorMap scales_map,
                 const __nv_bfloat16* x, const float* amax, Out* out, int m,
-                int n, int k) {
+                int n, int k, const int32_t* group_sizes, int groups) {
 #if JAX_NVFP4_ENGINE_ARCH
   using S = W4A16Shape<kTokens, kBlockK>;
   using Ring =
       engine::Ring<kStages, S::kXBytes, S::kCodeBytes + S::kScaleBytes>;
   static_assert(kTokens * S::kTilePitch * 4 <= kStages * Ring::kStageBytes,
                 "the epilogue's tile fits in the ring");
+  // x's rows token0 .. min(token0 + kTokens, end) - 1 times weight `group`.
+  int group = 0;
+  int64_t first_row = int64_t{blockIdx.x} * kTokens, end = m;
+  if (groups > 0 && !W4A16GroupTile(group_sizes, groups, m, blockIdx.x, kTokens,
+                                    &group, &first_row, &end)) {
+    return;
+  }
+  const int token0 = static_cast<int>(first_row);
+  const int row0 = blockIdx.y * S::kRows;
+  const int weight_row0 = group * n + row0;  // in all weights' rows
   extern __shared__ __align__(1024) uint8_t shared_raw[];
   Ring ring(shared_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int token0 = blockIdx.x * kTokens, row0 = blockIdx.y * S::kRows;
   int block_begin, block_end;
   W4A16SliceBlocks(k, blockIdx.z, gridDim.z, &block_begin, &block_end);
   if (threadIdx.x == 0) ring.Init();
   if constexpr (S::kPermutedX) {
-    // Rows past M are never copied: zeros, so that their (unstored) sums
-    // read defined values.
-    if (token0 + kTokens > m) {
+    // Rows past the group's (or M) are never copied: zeros, so that their
+    // (unstored) sums read defined values.
+    if (token0 + kTokens > end) {
       uint4* tiles = reinterpret_cast<uint4*>(ring.TileA(0));
       for (int i = threadIdx.x; i < kStages * S::kXBytes / 16;
            i += kW4A16Threads) {
@@ -142,7 +155,7 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
 #pragma unroll
   for (int i = 0; i < kTokens / 2; ++i) acc[i] = 0.f;
   if (warp == 8 && S::kPermutedX) {  // the producer, x by its 32 lanes
-    const int rows = min(kTokens, m - token0);
+    const int rows = min(kTokens, static_cast<int>(end - token0));
     int slot = 0;
     for (int b = block_begin; b < block_end; ++b) {
       for (int q = 0; q < S::kStagesPerBlock; ++q, ++slot) {
@@ -153,10 +166,11 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
         if (lane == 0) {
           BarrierExpectTx(&ring.full[s],
                           S::kCodeBytes + (q == 0 ? S::kScaleBytes : 0));
-          TmaLoad2d(ring.TileB(s), &codes_map, &ring.full[s], k0 / 2, row0);
+          TmaLoad2d(ring.TileB(s), &codes_map, &ring.full[s], k0 / 2,
+                    weight_row0);
           if (q == 0) {
             TmaLoad2d(ring.TileB(s) + S::kCodeBytes, &scales_map, &ring.full[s],
-                      b * kW4A16ScaleK / 16, row0);
+                      b * kW4A16ScaleK / 16, weight_row0);
           }
         }
         const uint32_t tile = SmemAddress(ring.TileA(s));
@@ -190,10 +204,11 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
             TmaLoad2d(ring.TileA(s) + u * S::kXBox, &x_map, &ring.full[s],
                       k0 + u * 64, token0);
           }
-          TmaLoad2d(ring.TileB(s), &codes_map, &ring.full[s], k0 / 2, row0);
+          TmaLoad2d(ring.TileB(s), &codes_map, &ring.full[s], k0 / 2,
+                    weight_row0);
           if (q == 0) {
             TmaLoad2d(ring.TileB(s) + S::kCodeBytes, &scales_map, &ring.full[s],
-                      b * kW4A16ScaleK / 16, row0);
+                      b * kW4A16ScaleK / 16, weight_row0);
           }
         }
       }
@@ -343,7 +358,8 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
   constexpr int kGroups = kTokens * S::kRows / 4;
   const int first = kGroups * blockIdx.z / splits;
   const int last = kGroups * (blockIdx.z + 1) / splits;
-  const float alpha = amax[0] / kScaleRange;  // IEEE division (no fast-math)
+  const float alpha =
+      amax[group] / kScaleRange;  // IEEE division (no fast-math)
   for (int e = first + threadIdx.x; e < last; e += kW4A16Threads) {
     const int token = e / (S::kRows / 4), col = (e % (S::kRows / 4)) * 4;
     const float* local = tile + token * S::kTilePitch + col;
@@ -355,7 +371,7 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
     }
     sum.x *= alpha, sum.y *= alpha, sum.z *= alpha, sum.w *= alpha;
     const int64_t row = int64_t{token0} + token, column = int64_t{row0} + col;
-    if (row >= m || column >= n) continue;
+    if (row >= end || column >= n) continue;
     Out* dst = out + row * n + column;
     if (n % 4 == 0) {  // the row's 4 outputs are inside N, aligned
       StoreQuad(dst, sum);
@@ -396,6 +412,7 @@ cudaError_t LaunchW4A16Config(const W4A16Plan& plan, const CUtensorMap& x_map,
                               const CUtensorMap& scales_map,
                               const __nv_bfloat16* x, const float* amax,
                               Out* out, int m, int n, int k,
+                              const int32_t* group_sizes, int groups,
                               cudaStream_t stream) {
   using S = W4A16Shape<kTokens, kBlockK>;
   static_assert(W4A16SharedBytes(kTokens, kBlockK, kStages) ==
@@ -422,23 +439,26 @@ cudaError_t LaunchW4A16Config(const W4A16Plan& plan, const CUtensorMap& x_map,
   config.attrs = cluster;
   config.numAttrs = plan.splits > 1 ? 1 : 0;
   e = cudaLaunchKernelEx(&config, kernel, x_map, codes_map, scales_map, x, amax,
-                         out, m, n, k);
+                         out, m, n, k, group_sizes, groups);
   return e != cudaSuccess ? e : cudaGetLastError();
 }
 
-// The kernel in the configuration the plan chose (ChooseW4A16Config).
+// The kernel in the configuration the plan chose (ChooseW4A16Config);
+// groups > 0 and group_sizes [groups] on the device: the grouped form.
 template <typename Out>
 cudaError_t LaunchW4A16(const W4A16Plan& plan, const CUtensorMap& x_map,
                         const CUtensorMap& codes_map,
                         const CUtensorMap& scales_map, const __nv_bfloat16* x,
                         const float* amax, Out* out, int m, int n, int k,
-                        cudaStream_t stream) {
+                        cudaStream_t stream,
+                        const int32_t* group_sizes = nullptr, int groups = 0) {
   const W4A16Config c = plan.config;
-#define JAX_NVFP4_W4A16_CONFIG(T, K, S, B)                                  \
-  if (c.tokens == T && c.block_k == K && c.stages == S &&                   \
-      c.blocks_per_sm == B) {                                               \
-    return LaunchW4A16Config<T, K, S, B, Out>(                              \
-        plan, x_map, codes_map, scales_map, x, amax, out, m, n, k, stream); \
+#define JAX_NVFP4_W4A16_CONFIG(T, K, S, B)                                     \
+  if (c.tokens == T && c.block_k == K && c.stages == S &&                      \
+      c.blocks_per_sm == B) {                                                  \
+    return LaunchW4A16Config<T, K, S, B, Out>(plan, x_map, codes_map,          \
+                                              scales_map, x, amax, out, m, n,  \
+                                              k, group_sizes, groups, stream); \
   }
   JAX_NVFP4_W4A16_CONFIG(16, 256, 4, 2)
   JAX_NVFP4_W4A16_CONFIG(32, 256, 3, 2)

@@ -10,6 +10,9 @@
 // picks this target only on compute capability 9.0 and for K a multiple of
 // 256 (w4a16_plan.h); the checks here keep a malformed call from reading
 // or writing out of bounds.
+//
+// FFI target "jax_nvfp4_ragged_w4a16_sm90": the grouped form of the same
+// kernel (ragged_dot of bf16 rows by NVFP4 expert weights, serving).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -86,6 +89,77 @@ ffi::Error MatmulW4A16Sm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   });
 }
 
+// The grouped form: x bf16 [T, K] with its rows in groups (group_sizes,
+// int32 [G]), group g's rows times weight g: codes u8 [G, N, K/2], e4m3
+// scales [G, N, K/16], amax f32 [G]. Rows past the sizes' sum are zeros.
+ffi::Error RaggedW4A16Sm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::U8> codes,
+                               ffi::AnyBuffer scales,
+                               ffi::Buffer<ffi::F32> amax,
+                               ffi::Buffer<ffi::S32> group_sizes,
+                               ffi::Result<ffi::AnyBuffer> out) {
+  const auto xd = x.dimensions(), cd = codes.dimensions();
+  const auto od = out->dimensions();
+  if (xd.size() != 2 || cd.size() != 3 || od.size() != 2 ||
+      cd[2] * 2 != xd[1] || od[0] != xd[0] || od[1] != cd[1] ||
+      scales.element_count() != cd[0] * cd[1] * xd[1] / 16 ||
+      scales.element_type() != ffi::DataType::F8E4M3FN ||
+      amax.element_count() != cd[0] || group_sizes.element_count() != cd[0]) {
+    return InvalidArgument(
+        "ragged_w4a16_sm90 expects x bf16 [T, K], codes u8 [G, N, K/2], e4m3 "
+        "scales [G, N, K/16], amax f32 [G], group_sizes s32 [G] and out "
+        "[T, N]");
+  }
+  const int64_t rows = xd[0], groups = cd[0], n = cd[1], k = xd[1];
+  if (rows == 0 || n == 0) return ffi::Error::Success();
+  const int sms = engine::HopperSms();
+  if (sms == 0) {
+    return InvalidArgument(
+        "ragged_w4a16_sm90 runs on compute capability 9.0 GPUs only (the "
+        "dispatcher picks another grouped W4A16 GEMM elsewhere)");
+  }
+  engine::W4A16Plan plan;
+  const std::string error =
+      engine::PlanW4A16Grouped(rows, groups, n, k, sms, &plan);
+  if (!error.empty()) return InvalidArgument(error);
+  if (!IsAligned(x.typed_data(), 16) || !IsAligned(codes.typed_data(), 16) ||
+      !IsAligned(scales.untyped_data(), 16) ||
+      !IsAligned(out->untyped_data(), 16)) {
+    return InvalidArgument("ragged_w4a16_sm90 needs 16-byte aligned operands");
+  }
+  CUtensorMap x_map, codes_map, scales_map;
+  if (!engine::W4A16Maps(x.typed_data(), codes.typed_data(),
+                         scales.untyped_data(), rows, groups * n, k,
+                         plan.config, &x_map, &codes_map, &scales_map)) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      "jax_nvfp4: ragged_w4a16_sm90 could not encode its "
+                      "tensor maps (a CUDA driver of 12.0 or newer?)");
+  }
+  // The rows no group covers are zeros; the sizes live on the device.
+  cudaError_t e =
+      cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
+  if (e != cudaSuccess) {
+    return ffi::Error(
+        ffi::ErrorCode::kInternal,
+        std::string("jax_nvfp4: ragged_w4a16_sm90: ") + cudaGetErrorString(e));
+  }
+  return ByOutputType(out->element_type(), "ragged_w4a16_sm90", [&](auto zero) {
+    using Out = decltype(zero);
+    const cudaError_t launched = engine::LaunchW4A16(
+        plan, x_map, codes_map, scales_map,
+        reinterpret_cast<const __nv_bfloat16*>(x.typed_data()),
+        amax.typed_data(), static_cast<Out*>(out->untyped_data()), int(rows),
+        int(n), int(k), stream, group_sizes.typed_data(), int(groups));
+    if (launched != cudaSuccess) {
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        std::string("jax_nvfp4: ragged_w4a16_sm90's launch "
+                                    "failed: ") +
+                            cudaGetErrorString(launched));
+    }
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace jax_nvfp4
 
@@ -94,5 +168,11 @@ namespace ffi = xla::ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxNvfp4MatmulW4A16Sm90Cuda, jax_nvfp4::MatmulW4A16Sm90Cuda,
     jax_nvfp4::MatmulW4A16Sm90Binding(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxNvfp4RaggedW4A16Sm90Cuda, jax_nvfp4::RaggedW4A16Sm90Cuda,
+    jax_nvfp4::RaggedW4A16Sm90Binding(
         ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
     {ffi::Traits::kCmdBufferCompatible});

@@ -77,29 +77,34 @@ struct W4A16Plan {
   int64_t shared_bytes = 0;
 };
 
-// Empty on success; otherwise what the caller must change. `sms`: the
-// device's multiprocessors.
-inline std::string PlanW4A16(int64_t m, int64_t n, int64_t k, int sms,
-                             W4A16Plan* p) {
+// Empty if the engine takes x [M, K] (all groups' rows) and weights [N, K];
+// otherwise what the caller of handler `name` must change.
+inline std::string CheckW4A16Shape(const std::string& name, int64_t m,
+                                   int64_t n, int64_t k) {
   if (m < 1 || n < 1 || k < 1) {
-    return "matmul_w4a16_sm90 needs M, N and K of at least 1";
+    return name + " needs M, N and K of at least 1";
   }
   if (k % kW4A16ScaleK != 0) {
-    return "matmul_w4a16_sm90 needs K a multiple of 256 (its scales are "
-           "read 16 bytes a row), got K = " +
+    return name +
+           " needs K a multiple of 256 (its scales are read 16 bytes a row), "
+           "got K = " +
            std::to_string(k);
   }
   if (m > (int64_t{1} << 31) - 1 || k > (int64_t{1} << 31) - 1 ||
       n > kW4A16MaxGridY * kW4A16WeightRows) {
-    return "matmul_w4a16_sm90 takes M and K below 2^31 and N at most " +
+    return name + " takes M and K below 2^31 and N at most " +
            std::to_string(kW4A16MaxGridY * kW4A16WeightRows);
   }
-  const W4A16Config c = ChooseW4A16Config(m);
-  p->config = c;
-  p->token_tiles = (m + c.tokens - 1) / c.tokens;
+  return "";
+}
+
+// The rest of a plan once its configuration and token tiles are set: the
+// weight tiles, the split of K and the shared memory. K is split while the
+// tiles fill at most half the CTAs the GPU holds and every slice keeps at
+// least two 256-element blocks.
+inline void CompleteW4A16Plan(int64_t n, int64_t k, int sms, W4A16Plan* p) {
+  const W4A16Config c = p->config;
   p->weight_tiles = (n + kW4A16WeightRows - 1) / kW4A16WeightRows;
-  // Split K while the tiles fill at most half the CTAs the GPU holds and
-  // every slice keeps at least two 256-element blocks.
   const int64_t tiles = p->token_tiles * p->weight_tiles;
   const int64_t slots = int64_t{sms} * c.blocks_per_sm;
   const int64_t blocks = k / kW4A16ScaleK;
@@ -109,7 +114,68 @@ inline std::string PlanW4A16(int64_t m, int64_t n, int64_t k, int sms,
     p->splits *= 2;
   }
   p->shared_bytes = W4A16SharedBytes(c.tokens, c.block_k, c.stages);
+}
+
+// Empty on success; otherwise what the caller must change. `sms`: the
+// device's multiprocessors.
+inline std::string PlanW4A16(int64_t m, int64_t n, int64_t k, int sms,
+                             W4A16Plan* p) {
+  std::string error = CheckW4A16Shape("matmul_w4a16_sm90", m, n, k);
+  if (!error.empty()) return error;
+  p->config = ChooseW4A16Config(m);
+  p->token_tiles = (m + p->config.tokens - 1) / p->config.tokens;
+  CompleteW4A16Plan(n, k, sms, p);
   return "";
+}
+
+// The grouped form (ragged_dot, mixture-of-experts serving): x [T, K]
+// holds the rows of G groups one after another, group g's rows times weight
+// g of G stored one after another ([G * N, K / 2] codes). Each group's rows
+// are cut into token tiles of their own, so that a tile never mixes two
+// weights; grid.x is an upper bound on the tiles (ceil(T / tokens) + G), and
+// the CTAs past the last group's tiles have nothing to do. The token tile
+// follows the groups' mean size (a decode step's few rows per expert: 16).
+inline std::string PlanW4A16Grouped(int64_t rows, int64_t groups, int64_t n,
+                                    int64_t k, int sms, W4A16Plan* p) {
+  const std::string name = "ragged_w4a16_sm90";
+  std::string error = CheckW4A16Shape(name, rows, n, k);
+  if (!error.empty()) return error;
+  if (groups < 1) return name + " needs at least one group";
+  if (groups * n > (int64_t{1} << 31) - 1) {
+    return name + " takes G * N below 2^31 weight rows, got " +
+           std::to_string(groups * n);
+  }
+  p->config = ChooseW4A16Config((rows + groups - 1) / groups);
+  p->token_tiles = (rows + p->config.tokens - 1) / p->config.tokens + groups;
+  if (p->token_tiles > (int64_t{1} << 31) - 1) {
+    return name + " takes fewer than 2^31 token tiles";
+  }
+  CompleteW4A16Plan(n, k, sms, p);
+  return "";
+}
+
+// Token tile `tile` of the grouped form: its group, its first row and the
+// end of its group's rows (x's rows token0 .. min(token0 + tokens, end) - 1).
+// Sizes are clamped to the rows that are left, so that negative sizes or a
+// sum past `rows` read and write inside x and out. False: no such tile.
+W4A16_PLAN_HD bool W4A16GroupTile(const int32_t* sizes, int groups,
+                                  int64_t rows, int64_t tile, int tokens,
+                                  int* group, int64_t* token0, int64_t* end) {
+  int64_t begin = 0;
+  for (int g = 0; g < groups; ++g) {
+    int64_t size = sizes[g] < 0 ? 0 : sizes[g];
+    if (size > rows - begin) size = rows - begin;
+    const int64_t tiles = (size + tokens - 1) / tokens;
+    if (tile < tiles) {
+      *group = g;
+      *token0 = begin + tile * tokens;
+      *end = begin + size;
+      return true;
+    }
+    tile -= tiles;
+    begin += size;
+  }
+  return false;
 }
 
 // The 256-element blocks of K that slice `split` of `splits` sums.
