@@ -21,16 +21,29 @@ has its own): the time per GEMM of
 The loop keeps the Python dispatch of each call out of the times. Last
 columns: bf16's time over matmul's, and the weight's bytes (4.5 bits an
 element) over matmul's time.
+
+Then the grouped form (mixture-of-experts serving), for each expert shape of
+--grouped-shapes: --experts experts with --expert-rows rows each, x [G * rows,
+K] sorted by expert, the experts' weights cycled through --grouped-copies
+stacks:
+  bf16 xla         jax.lax.ragged_dot by the bf16 experts
+  bf16 tokamax *   tokamax's ragged_dot (mosaic, triton: what MaxText's MoE
+                   layer calls) by the bf16 experts, where it imports
+  w4a16 ragged     jax_nvfp4.ragged_dot by the NVFP4 experts (the engine's
+                   grouped form on an H100/H200)
+Last columns: the fastest bf16's time over w4a16 ragged's, and the experts'
+bytes (4.5 bits an element) over w4a16 ragged's time.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
-from common import argument_parser, header, parse_shape, write_json
+from common import argument_parser, header, parse_shape, stub_xprof, write_json
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import ops
@@ -75,9 +88,28 @@ def main(argv=None):
         "--copies", type=int, default=4, help="weights cycled through (L2 > 1 copy)"
     )
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--grouped-shapes",
+        default="4096x14336,14336x4096",
+        help="expert shapes K x N of the grouped form ('' leaves it out)",
+    )
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--expert-rows", default="16", help="rows per expert")
+    parser.add_argument("--grouped-copies", type=int, default=2)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     print(header())
+    results = dense(args) if args.shapes else []
+    grouped_results = grouped(args) if args.grouped_shapes else []
+    if args.out:
+        write_json(
+            args.out,
+            {"args": vars(args), "results": results, "grouped": grouped_results},
+        )
+
+
+def dense(args):
+    """The dense table: one weight K -> N by M rows."""
 
     def w4a16(path):
         """The W4A16 primitive lowered to the CUDA GEMM ``path``."""
@@ -134,8 +166,79 @@ def main(argv=None):
                 f"{k:>6d}->{n:<6d} {m:5d} {times}   {row['bf16'] / row['matmul']:.2f}x"
                 f"   {weight_bytes / row['matmul'] / 1e12:.2f}"
             )
-    if args.out:
-        write_json(args.out, {"args": vars(args), "results": results})
+    return results
+
+
+def tokamax_products():
+    """{name: product} of tokamax's ragged_dot implementations, where
+    tokamax imports."""
+    stub_xprof()
+    try:
+        import tokamax
+    except Exception as e:  # noqa: BLE001 - any failure: report it, go on
+        print(f"tokamax left out: {type(e).__name__}: {e}")
+        return {}
+    return {
+        f"bf16 tokamax {impl}": (
+            lambda x, w, sizes, impl=impl: tokamax.ragged_dot(
+                x, w[1], sizes, implementation=impl
+            )
+        )
+        for impl in ("mosaic", "triton")
+    }
+
+
+def apply(product, sizes, x, w):
+    return product(x, w, sizes)
+
+
+def grouped(args):
+    """The grouped table: G experts K -> N, rows per expert."""
+    products = {
+        "bf16 xla": lambda x, w, sizes: jax.lax.ragged_dot(x, w[1], sizes),
+        **tokamax_products(),
+        "w4a16 ragged": lambda x, w, sizes: nv.ragged_dot(x, w[0], sizes),
+    }
+    bf16_names = [name for name in products if name.startswith("bf16")]
+    count = args.experts
+    print(
+        f"\n{'G x K -> N':>16s} {'rows':>5s} "
+        + " ".join(f"{name:>19s}" for name in products)
+        + "   (us per grouped GEMM; fastest bf16 / w4a16; expert TB/s at w4a16)"
+    )
+    results = []
+    for shape in args.grouped_shapes.split(","):
+        k, n = parse_shape(shape)
+        weights = []
+        for copy in range(args.grouped_copies):
+            w_float = jax.random.normal(jax.random.key(1 + copy), (count, k, n)) * 0.02
+            w_q = jax.vmap(lambda e: nv.quantize(e, axis=0, block="16x16"))(w_float)
+            w_bf16 = jax.vmap(lambda e: nv.dequantize(e, jnp.bfloat16))(w_q)
+            weights.append((w_q, w_bf16))
+            del w_float
+        for per_expert in (int(r) for r in args.expert_rows.split(",")):
+            sizes = jnp.full((count,), per_expert, jnp.int32)
+            x = jax.random.normal(
+                jax.random.key(0), (count * per_expert, k), jnp.bfloat16
+            )
+            row = {"k": k, "n": n, "experts": count, "rows_per_expert": per_expert}
+            for name, product in products.items():
+                fn = looped(functools.partial(apply, product, sizes), args.iters)
+                try:
+                    row[name] = time_per_gemm(fn, x, weights, args.iters, args.rounds)
+                except Exception as e:  # noqa: BLE001 - report it, go on
+                    print(f"{name} failed: {type(e).__name__}: {str(e)[:200]}")
+                    row[name] = float("nan")
+            results.append(row)
+            best = min(row[name] for name in bf16_names if row[name] == row[name])
+            times = " ".join(f"{row[name] * 1e6:19.1f}" for name in products)
+            expert_bytes = count * n * k * 9 / 16
+            print(
+                f"{count:>3d} x {k:>5d}->{n:<5d} {per_expert:5d} {times}   "
+                f"{best / row['w4a16 ragged']:.2f}x   "
+                f"{expert_bytes / row['w4a16 ragged'] / 1e12:.2f}"
+            )
+    return results
 
 
 if __name__ == "__main__":

@@ -95,9 +95,8 @@ fi
 # -P and another directory: the installed package, not ./jax_nvfp4.
 (cd / && python3 -P -c "
 import jax_nvfp4 as nv
-from jax_nvfp4.backends.gemm import gemm_path
-path = gemm_path()
-print('installed:', nv.__file__, '| handlers on', sorted(nv.available_platforms()), '| GEMM path:', path)
+from jax_nvfp4.ops import dispatch
+print('installed:', nv.__file__, '| handlers on', sorted(nv.available_platforms()), '| dense GEMM path:', dispatch.dense_path(), '| grouped:', dispatch.grouped_path())
 ") 2>&1 | tee -a "$summary"
 
 if wants tests; then

@@ -135,7 +135,8 @@ def w4a16_gemms(key):
     """The weight-only GEMM handler at every row-tile height, partial tiles
     in M and N, K in one slice and in slices of which the last is short;
     on an H100/H200 also the engine's at each of its tile heights, K split
-    over a cluster and not."""
+    over a cluster and not, and its grouped form (ragged_dot by NVFP4
+    experts)."""
     from jax_nvfp4 import ops
     from jax_nvfp4.backends import w4a16_gemm
 
@@ -155,6 +156,20 @@ def w4a16_gemms(key):
             for dtype in (jnp.bfloat16, jnp.float32):
                 for path in paths:
                     outs.append(ops.w4a16_matmul(x, *weight, dtype=dtype, path=path))
+    if w4a16_gemm.engine_supported(512, grouped=True):
+        # The grouped form: empty groups, groups off 16, rows past the
+        # groups; 16-token and 128-token tiles, K split and not.
+        for k, n in ((512, 130), (4096, 64)):
+            experts = jax.vmap(lambda e: nv.quantize(e, axis=0))(
+                jax.random.normal(key, (4, k, n))
+            )
+            for sizes, rows in (([3, 0, 17, 9], 40), ([200, 0, 90, 7], 300)):
+                x = jax.random.normal(key, (rows, k), jnp.bfloat16)
+                sizes = jnp.asarray(sizes, jnp.int32)
+                for dtype in (jnp.bfloat16, jnp.float32):
+                    outs.append(
+                        nv.ragged_dot(x, experts, sizes, preferred_element_type=dtype)
+                    )
     return outs
 
 
@@ -163,7 +178,7 @@ PARTS = {
     "gemm": "4 GEMMs",
     "recipe": "one dot step",
     "grouped": "the grouped GEMM's two forms",
-    "w4a16": "the weight-only GEMMs at four row counts and two K",
+    "w4a16": "the weight-only GEMMs at four row counts and two K, and grouped",
     "ragged": "one ragged_dot step",
 }
 
