@@ -6,7 +6,8 @@ HLO has no collective (no all-gather of x or of the weight); a sharded
 contraction adds only the float32 all-reduce of the partial sums. Bytes are
 compared on operands whose float32 sums are exact (each shard's GEMM shape
 may change XLA's summation order); real data stays within the float32
-summation bound."""
+summation bound. The grouped form (ragged_dot by NVFP4 experts) partitions
+the experts' rows and the contraction the same way."""
 
 import pathlib
 
@@ -60,3 +61,20 @@ def test_decode_partitions(results, case):
     r = results[case]
     assert r["bytes_equal"] and r["collectives"] == {}
     assert "'d'" in r["out_spec"]
+
+
+def test_grouped_form_partitions_the_experts_rows(results):
+    r = results["grouped n"]
+    assert r["bytes_equal"] and r["collectives"] == {}
+    assert r["out_spec"] == "P(None, 'd')"
+
+
+def test_grouped_form_sums_a_sharded_contraction_in_float32(results):
+    r = results["grouped k"]
+    assert r["bytes_equal"]
+    assert list(r["collectives"]) == ["all-reduce"], r["collectives"]
+    assert all(t.startswith("f32[64,96]") for t in r["collectives"]["all-reduce"])
+
+
+def test_grouped_form_with_sharded_rows_gives_one_devices_bytes(results):
+    assert results["grouped rows"]["bytes_equal"]

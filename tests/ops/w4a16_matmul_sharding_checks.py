@@ -169,7 +169,51 @@ def main():
         (jax.device_put(codes, spec), jax.device_put(scales, spec)),
         decode(codes, scales),
     )
+    out.update(grouped_cases(mesh))
     print(json.dumps(out))
+
+
+def grouped_cases(mesh):
+    """The grouped form (ragged_dot by NVFP4 experts [G, K, N]): the experts'
+    rows (N) sharded need no collective; the contraction sharded adds the
+    float32 all-reduce of the partial sums; x's rows sharded are gathered
+    (a shard of rows would need its own group sizes)."""
+    groups = 4
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 256, (groups, N, K // 2), dtype=np.uint8)
+    scale_bytes = rng.choice([0x38, 0x40], (groups, N, K // 16)).astype(np.uint8)
+    experts = nv.NVFP4Tensor(
+        jnp.asarray(codes),
+        jnp.asarray(scale_bytes).view(jnp.float8_e4m3fn),
+        jnp.asarray(2688.0 * np.arange(1, groups + 1), jnp.float32),
+        shape=(K, N),
+        axis=0,
+    )
+    x = jnp.asarray(rng.integers(-4, 5, (T, K)), jnp.bfloat16)
+    sizes = jnp.asarray([20, 0, 30, 9], jnp.int32)
+    f = jax.jit(nv.ragged_dot)
+    want = f(x, experts, sizes)
+
+    def placed(spec_x, spec_w):
+        return (
+            jax.device_put(x, NamedSharding(mesh, spec_x)),
+            jax.tree.map(
+                lambda a: jax.device_put(
+                    a, NamedSharding(mesh, spec_w if a.ndim == 3 else P())
+                ),
+                experts,
+            ),
+            sizes,
+        )
+
+    return {
+        f"grouped {case}": check(f, args, want)
+        for case, args in {
+            "n": placed(P(), P(None, "d", None)),
+            "k": placed(P(None, "d"), P(None, None, "d")),
+            "rows": placed(P("d", None), P()),
+        }.items()
+    }
 
 
 if __name__ == "__main__":
