@@ -1,11 +1,12 @@
 // A standalone check of the Hopper GEMM engine's kernels on an sm_90a GPU,
 // apart from their FFI handlers: the grouped forms
 // (ffi/gemm/engine/grouped_rows.cuh, grouped_tokens.cuh) and the W4A16 GEMM
-// (w4a16.cuh). Bit-for-bit equality with plain reference kernels on
+// (w4a16.cuh), dense and grouped. Bit-for-bit equality with plain reference kernels on
 // integer-valued operands and power-of-two scales and alphas (exact sums):
 // empty and unaligned groups, ragged M, N and K, every W4A16 configuration
 // and split, float32 and bfloat16 outputs; the speed of moe_bench's
-// projections and of serving_bench's W4A16 shapes (weights cycled past L2).
+// projections and of serving_bench's W4A16 shapes, dense and grouped
+// (weights cycled past L2).
 // Exits 1 if any case differs.
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
@@ -305,12 +306,21 @@ __device__ float E2M1(int code) {
   return code & 8 ? -magnitude[code & 7] : magnitude[code & 7];
 }
 
+// row_group: each row's weight (-1: no group, a zero row); nullptr: weight
+// 0 for every row.
 __global__ void W4A16Reference(const __nv_bfloat16* x, const uint8_t* codes,
                                const uint8_t* scales, const float* amax,
-                               float* c, int m, int n, int k) {
+                               const int* row_group, float* c, int m, int n,
+                               int k) {
   const int row = blockIdx.y * blockDim.y + threadIdx.y;
   const int col = blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= m || col >= n) return;
+  const int g = row_group ? row_group[row] : 0;
+  if (g < 0) {
+    c[size_t(row) * n + col] = 0.f;
+    return;
+  }
+  codes += size_t(g) * n * k / 2, scales += size_t(g) * n * k / 16;
   float s = 0.f;
   for (int i = 0; i < k; ++i) {
     const int code = codes[(size_t(col) * k + i) / 2] >> (i % 2 * 4) & 15;
@@ -318,25 +328,39 @@ __global__ void W4A16Reference(const __nv_bfloat16* x, const uint8_t* codes,
         E2M1(code) * jax_nvfp4::E4M3Decode(scales[(size_t(col) * k + i) / 16]);
     s += __bfloat162float(x[size_t(row) * k + i]) * w;
   }
-  c[size_t(row) * n + col] = s * (amax[0] / 2688.0f);
+  c[size_t(row) * n + col] = s * (amax[g] / 2688.0f);
 }
 
 // x [m, k] times `copies` weights [n, k] in turn (so that timing reads them
-// from HBM, not L2); checks the first against the reference.
+// from HBM, not L2); checks the first against the reference. `sizes`: the
+// grouped form, x's rows in groups, group g's times weight g of G (each copy
+// G weights), as handler jax_nvfp4_ragged_w4a16_sm90 runs it (the memset of
+// the rows past the groups included).
 template <typename Out>
-static void W4A16(int m, int n, int k, bool check, int sms, int copies = 1) {
-  srand(m * 7 + n * 3 + k);
+static void W4A16(int m, int n, int k, bool check, int sms, int copies = 1,
+                  const std::vector<int>& sizes = {}) {
+  srand(m * 7 + n * 3 + k + int(sizes.size()));
+  const int groups = sizes.empty() ? 1 : int(sizes.size());
+  const size_t rows = size_t(groups) * n;  // weight rows of a copy
   const std::vector<__nv_bfloat16> hx = SmallIntegers(size_t(m) * k, m + k);
-  std::vector<uint8_t> hcodes(size_t(n) * k / 2 * copies);
+  std::vector<uint8_t> hcodes(rows * k / 2 * copies);
   for (auto& b : hcodes) b = uint8_t(rand());
   // E4M3 powers of two 2^-3 .. 2^3 (exponent field 4 .. 10): exact sums.
-  std::vector<uint8_t> hscales(size_t(n) * k / 16 * copies);
+  std::vector<uint8_t> hscales(rows * k / 16 * copies);
   for (auto& b : hscales) b = uint8_t((4 + rand() % 7) << 3);
-  const std::vector<float> hamax = {2688.0f * 4};  // alpha 4
+  std::vector<float> hamax(groups);
+  for (int g = 0; g < groups; ++g) hamax[g] = 2688.0f * (4 >> g % 3);
+  std::vector<int> hrow_group(m, sizes.empty() ? 0 : -1);
+  for (int g = 0, row = 0; g < int(sizes.size()); ++g) {
+    for (int i = 0; i < sizes[g]; ++i) hrow_group[row++] = g;
+  }
   __nv_bfloat16* x = Upload(hx);
   uint8_t* codes = UploadOf(hcodes);
   uint8_t* scales = UploadOf(hscales);
   float* amax = UploadOf(hamax);
+  int* row_group = UploadOf(hrow_group);
+  int32_t* group_sizes =
+      sizes.empty() ? nullptr : UploadOf(std::vector<int32_t>(sizes));
   Out* out;
   float* reference;
   const size_t count = size_t(m) * n;
@@ -344,15 +368,17 @@ static void W4A16(int m, int n, int k, bool check, int sms, int copies = 1) {
   CK(cudaMalloc(&reference, count * 4));
   CK(cudaMemset(out, 0xFF, count * sizeof(Out)));  // every element written
   engine::W4A16Plan plan;
-  const std::string error = engine::PlanW4A16(m, n, k, sms, &plan);
+  const std::string error =
+      sizes.empty() ? engine::PlanW4A16(m, n, k, sms, &plan)
+                    : engine::PlanW4A16Grouped(m, groups, n, k, sms, &plan);
   if (!error.empty()) {
     printf("plan: %s\n", error.c_str());
     exit(1);
   }
   std::vector<CUtensorMap> maps(3 * copies);
   for (int c = 0; c < copies; ++c) {
-    if (!engine::W4A16Maps(x, codes + size_t(c) * n * k / 2,
-                           scales + size_t(c) * n * k / 16, m, n, k,
+    if (!engine::W4A16Maps(x, codes + c * rows * k / 2,
+                           scales + c * rows * k / 16, m, int64_t(rows), k,
                            plan.config, &maps[3 * c], &maps[3 * c + 1],
                            &maps[3 * c + 2])) {
       printf("cuTensorMapEncodeTiled failed\n");
@@ -362,33 +388,36 @@ static void W4A16(int m, int n, int k, bool check, int sms, int copies = 1) {
   int call = 0;
   const auto launch = [&] {
     const int c = call++ % copies;
+    if (!sizes.empty()) CK(cudaMemsetAsync(out, 0, count * sizeof(Out)));
     CK(engine::LaunchW4A16<Out>(plan, maps[3 * c], maps[3 * c + 1],
-                                maps[3 * c + 2], x, amax, out, m, n, k,
-                                nullptr));
+                                maps[3 * c + 2], x, amax, out, m, n, k, nullptr,
+                                group_sizes, int(sizes.size())));
   };
   launch();
   CK(cudaDeviceSynchronize());
   size_t bad = 0, first = 0;
   if (check) {
     W4A16Reference<<<dim3((n + 15) / 16, (m + 15) / 16), dim3(16, 16)>>>(
-        x, codes, scales, amax, reference, m, n, k);
+        x, codes, scales, amax, row_group, reference, m, n, k);
     CK(cudaDeviceSynchronize());
     bad = Differences(out, reference, count, &first);
   }
   const float ms = Milliseconds(launch);
-  printf("w4a16 %s M=%d N=%d K=%d (tokens %d, splits %ld):",
-         sizeof(Out) == 4 ? "f32 " : "bf16", m, n, k, plan.config.tokens,
-         long(plan.splits));
+  printf("w4a16 %s%s M=%d N=%d K=%d (tokens %d, splits %ld):",
+         sizeof(Out) == 4 ? "f32 " : "bf16",
+         sizes.empty() ? "" : (" G=" + std::to_string(groups)).c_str(), m, n, k,
+         plan.config.tokens, long(plan.splits));
   if (check) {
     printf(" %zu differ", bad);
     if (bad) printf(" (first row %zu col %zu)", first / n, first % n);
   }
-  const double weight_bytes = double(n) * k * 9 / 16;
+  const double weight_bytes = double(rows) * k * 9 / 16;
   printf("; %.1f us, weight %.2f TB/s, %.0f TFLOP/s\n", ms * 1e3,
          weight_bytes / ms / 1e9, 2.0 * m * n * k / ms / 1e9);
   failures += bad > 0;
   cudaFree(x), cudaFree(codes), cudaFree(scales), cudaFree(amax);
-  cudaFree(out), cudaFree(reference);
+  cudaFree(row_group), cudaFree(group_sizes), cudaFree(out),
+      cudaFree(reference);
 }
 
 int main(int argc, char** argv) {
@@ -418,6 +447,13 @@ int main(int argc, char** argv) {
   W4A16<float>(5, 4096, 4096, true, sms);  // splits
   W4A16<__nv_bfloat16>(33, 256, 768, true, sms);
   W4A16<__nv_bfloat16>(130, 518, 512, true, sms);  // N past whole quads
+  // The grouped form: empty groups, groups off 16, rows past the groups,
+  // 16- and 128-token tiles, split K.
+  W4A16<float>(100, 130, 512, true, sms, 1, {1, 0, 7, 17, 33, 0, 2, 20});
+  W4A16<float>(128, 256, 4096, true, sms, 1, std::vector<int>(8, 16));
+  W4A16<__nv_bfloat16>(1100, 300, 1024, true, sms, 1,
+                       {300, 0, 513, 40, 0, 0, 100, 71});
+  W4A16<float>(16, 64, 256, true, sms, 1, {0, 0, 0});
   if (!small) {
     W4A16<float>(2048, 1024, 2048, true, sms);
     // serving_bench's shapes; four weights cycled past L2.
@@ -425,6 +461,13 @@ int main(int argc, char** argv) {
       W4A16<__nv_bfloat16>(m, 14336, 4096, false, sms, 4);
       W4A16<__nv_bfloat16>(m, 28672, 8192, false, sms, 2);
       W4A16<__nv_bfloat16>(m, 4096, 14336, false, sms, 4);
+    }
+    // serving_bench's grouped form: 8 experts, 1, 16 and 64 rows each.
+    for (int rows : {1, 16, 64}) {
+      W4A16<__nv_bfloat16>(8 * rows, 14336, 4096, false, sms, 2,
+                           std::vector<int>(8, rows));
+      W4A16<__nv_bfloat16>(8 * rows, 4096, 14336, false, sms, 2,
+                           std::vector<int>(8, rows));
     }
     // moe_bench's projections: gate/up FPROP, down FPROP, the WGRAD of gate.
     Rows<float>(moe, 8192, 2048, true, sms);

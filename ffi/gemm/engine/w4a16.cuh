@@ -358,8 +358,8 @@ __global__ void __launch_bounds__(kW4A16Threads, kBlocksPerSm)
   constexpr int kGroups = kTokens * S::kRows / 4;
   const int first = kGroups * blockIdx.z / splits;
   const int last = kGroups * (blockIdx.z + 1) / splits;
-  const float alpha =
-      amax[group] / kScaleRange;  // IEEE division (no fast-math)
+  // IEEE division (no fast-math).
+  const float alpha = amax[group] / kScaleRange;
   for (int e = first + threadIdx.x; e < last; e += kW4A16Threads) {
     const int token = e / (S::kRows / 4), col = (e % (S::kRows / 4)) * 4;
     const float* local = tile + token * S::kTilePitch + col;
