@@ -107,21 +107,23 @@ def _weight_only(x, w: NVFP4Tensor, group_sizes, preferred_element_type):
             f"activations (exact products with the decoded weights); x is "
             f"{x.dtype}: pass x.astype(jnp.bfloat16)"
         )
+    # The experts as stored: [G, N, K], quantized along their last axis,
+    # which x's K contracts (as matmul takes a weight stored [N, K]).
     stored = w.stored_shape
-    if w.batch_ndim == 1 and len(stored) == 2 and w.axis == 0:
-        # One tensor per expert, stacked (vmap of quantize, or an imported
-        # checkpoint's experts stacked leaf by leaf): amax [G].
+    if w.batch_ndim == 1 and len(stored) == 2:
+        # One tensor per expert, stacked (an imported checkpoint's experts,
+        # [out, in] each, or vmap of quantize over w [G, K, N]): amax [G].
         groups, (n, k) = w.codes.shape[0], stored
-    elif w.batch_ndim == 0 and len(stored) == 3 and w.axis == 1:
-        # w [G, K, N] quantized along K as one tensor: one amax for all.
+    elif w.batch_ndim == 0 and len(stored) == 3 and w.axis != 0:
+        # All experts quantized as one tensor: one amax for all.
         groups, n, k = stored
     else:
         raise ValueError(
-            "the NVFP4 expert weights must be [G, K, N] quantized along K: one "
-            "tensor per expert stacked (jax.vmap(lambda w: quantize(w, axis=0))"
-            " of w [G, K, N], or jax.tree.map(jnp.stack, *experts)), or one "
-            "tensor quantize(w, axis=1); got stored shape "
-            f"{stored} (quantized axis {w.axis}) with {w.batch_ndim} vmapped axes"
+            "the NVFP4 experts must be one tensor per expert, stacked "
+            "(jax.tree.map(lambda *a: jnp.stack(a), *experts), or "
+            "jax.vmap(lambda e: quantize(e, axis=0))(w) of w [G, K, N]), or one "
+            f"tensor quantize(w, axis=1) of w [G, K, N]; got stored shape {stored} "
+            f"(quantized axis {w.axis}) with {w.batch_ndim} vmapped axes"
         )
     if w.rht:
         raise ValueError(
@@ -129,10 +131,15 @@ def _weight_only(x, w: NVFP4Tensor, group_sizes, preferred_element_type):
             "only cancels against transformed activations: quantize them "
             "without rht for serving"
         )
-    if x.ndim != 2 or x.shape[1] != k:
+    if x.ndim != 2:
         raise ValueError(
-            f"x {x.shape} must be [T, K] with the experts' K={k} (fold x's "
-            "leading axes into T first)"
+            f"x {x.shape} must be [T, K] (fold x's leading axes into T first)"
+        )
+    if x.shape[1] != k:
+        raise ValueError(
+            f"x has K={x.shape[1]} features but the experts are stored "
+            f"[G, N, K] = {[groups, n, k]}, quantized along K: quantize each "
+            "expert along its input (K) axis"
         )
     sizes = _group_sizes_int32(group_sizes, groups, x.shape[0])
     dtype = np.dtype(preferred_element_type or jnp.bfloat16)
@@ -176,10 +183,11 @@ def ragged_dot(
       x: [T, K] rows sorted by group (float32, bfloat16 or float16;
         bfloat16 with NVFP4 weights).
       w: [G, K, N] one weight per group, x's dtype; K and N multiples of 16.
-        Or NVFP4 expert weights [G, K, N] quantized along K: the experts'
-        tensors stacked (``jax.tree.map(lambda *a: jnp.stack(a),
-        *experts)``, or ``jax.vmap(lambda e: quantize(e, axis=0))(w)``),
-        each with its own amax.
+        Or NVFP4 expert weights quantized along K (stored [G, N, K]): the
+        experts' tensors stacked, each with its own amax (an imported
+        checkpoint's [out, in] tensors, ``jax.tree.map(lambda *a:
+        jnp.stack(a), *experts)``, or ``jax.vmap(lambda e: quantize(e,
+        axis=0))(w)`` of w [G, K, N]).
       group_sizes: int [G], the rows of each group, non-negative, summing to
         at most T: rows past their sum give zeros in y and dx and add nothing
         to dw (as in ``lax.ragged_dot``). Concrete sizes are checked; traced

@@ -33,3 +33,31 @@ def test_train_export_reload_serve(tmp_path):
     generated = result["generated"]
     assert generated.startswith("WATER, n.") and len(generated) == len("WATER, n.") + 5
     assert np.isfinite(result["max_diff_vs_dequantized"])
+
+
+def test_mixture_of_experts_serves_its_nvfp4_experts(tmp_path):
+    """The MoE model (--experts 4 --top-k 2): each expert exported as a
+    layer of its own, imported, stacked and served by ragged_dot with the
+    experts in NVFP4 (the grouped W4A16 GEMM)."""
+    result = serve_nvfp4.main(
+        [
+            "--steps", "6", "--layers", "2", "--d-model", "32", "--heads", "2",
+            "--ffn", "64", "--batch", "4", "--seq-len", "32", "--log-every", "3",
+            "--eval-every", "100", "--out", str(tmp_path / "runs"),
+            "--export-dir", str(tmp_path / "ckpt"), "--new-tokens", "5",
+            "--data", str(tmp_path / "missing.bin"), "--experts", "4",
+            "--top-k", "2",
+        ]
+    )  # fmt: skip
+    # Block 0's 4 experts x 3 projections in NVFP4 (block 1 is the bf16
+    # tail), with training's FP4 bytes.
+    assert result["nvfp4_layers"] == 12
+    assert result["same_fp4_bytes"]
+    # A barely trained router sits near ties, so a rounding elsewhere can
+    # send a row to another expert downstream: looser than the dense model.
+    assert result["max_diff_vs_dequantized"] < 0.2
+    assert result["max_diff_cached_vs_forward"] < 0.2
+    assert result["top1_agreement_vs_training_forward"] >= 0.8
+    generated = result["generated"]
+    assert generated.startswith("WATER, n.") and len(generated) == len("WATER, n.") + 5
+    assert result["tokens_per_s"] > 0

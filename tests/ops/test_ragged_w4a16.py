@@ -121,6 +121,20 @@ def test_is_the_dequantized_experts_product():
     assert (got[len(group) :] == 0).all()
 
 
+def test_out_in_tensors_serve_as_stored():
+    """A checkpoint's [out, in] tensors (quantized along their last axis)
+    are the same stored experts as [in, out] quantized along axis 0."""
+    experts = jax.random.normal(jax.random.key(5), (2, 256, 32))
+    in_out = jax.vmap(lambda e: nv.quantize(e, axis=0))(experts)
+    out_in = jax.vmap(lambda e: nv.quantize(e.T, axis=1))(experts)
+    x = jax.random.normal(jax.random.key(6), (9, 256), jnp.bfloat16)
+    sizes = jnp.array([4, 5], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(nv.ragged_dot(x, in_out, sizes), np.float32),
+        np.asarray(nv.ragged_dot(x, out_in, sizes), np.float32),
+    )
+
+
 def test_imported_experts_stack_into_one_operand():
     """Each expert quantized on its own (as a checkpoint holds them), stacked
     leaf by leaf: the same product as quantizing under vmap."""
@@ -158,7 +172,7 @@ def test_traced_sizes_under_jit_and_vmap():
     "change,error,match",
     [
         ({"x": lambda x: x.astype(jnp.float32)}, TypeError, "takes bfloat16"),
-        ({"x": lambda x: x[:, :128]}, ValueError, "K=256"),
+        ({"x": lambda x: x[:, :128]}, ValueError, "K=128 features"),
         ({"x": lambda x: x[None]}, ValueError, r"\[T, K\]"),
         ({"sizes": lambda s: s[:2]}, ValueError, r"shape \(4,\)"),
         ({"sizes": lambda s: s.astype(jnp.float32)}, TypeError, "integers"),
@@ -182,8 +196,11 @@ def test_weights_it_cannot_serve_are_refused():
     sizes = jnp.array([8, 0], jnp.int32)
     experts = jax.random.normal(jax.random.key(0), (2, 256, 32))
     along_n = jax.vmap(lambda e: nv.quantize(e, axis=1))(experts)
-    with pytest.raises(ValueError, match="quantized along K"):
+    with pytest.raises(ValueError, match="quantize each expert along its input"):
         nv.ragged_dot(x, along_n, sizes)
+    groups_quantized = nv.quantize(jnp.swapaxes(experts, 0, 2), axis=0)
+    with pytest.raises(ValueError, match="one tensor per expert, stacked"):
+        nv.ragged_dot(x, groups_quantized, sizes)
     rht = jax.vmap(lambda e: nv.quantize(e, axis=0, rht=True))(experts)
     with pytest.raises(ValueError, match="Random-Hadamard"):
         nv.ragged_dot(x, rht, sizes)
