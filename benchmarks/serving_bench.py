@@ -18,9 +18,13 @@ has its own): the time per GEMM of
   w4a4            matmul(quantize(x), w): the activations quantized as in
                   training's FPROP, then the decoding GEMM
   matmul          what jax_nvfp4.matmul(x, w) dispatches to at this M
+  loop            the loop around a product that reads no weight (x's first
+                  column broadcast): the loop's own time per GEMM (the
+                  rescale of x, the float32 sum of the outputs)
 The loop keeps the Python dispatch of each call out of the times. Last
-columns: bf16's time over matmul's, and the weight's bytes (4.5 bits an
-element) over matmul's time.
+columns: bf16's time over matmul's; the same with the loop's own time taken
+from both (the GEMMs alone); the weight's bytes (4.5 bits an element) over
+matmul's time.
 
 Then the grouped form (mixture-of-experts serving), for each expert shape of
 --grouped-shapes: --experts experts with --expert-rows rows each, x [G * rows,
@@ -31,8 +35,9 @@ stacks:
                    layer calls) by the bf16 experts, where it imports
   w4a16 ragged     jax_nvfp4.ragged_dot by the NVFP4 experts (the engine's
                    grouped form on an H100/H200)
-Last columns: the fastest bf16's time over w4a16 ragged's, and the experts'
-bytes (4.5 bits an element) over w4a16 ragged's time.
+Last columns: the fastest bf16's time over w4a16 ragged's; the same with the
+loop's own time taken from both; the experts' bytes (4.5 bits an element)
+over w4a16 ragged's time.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ def looped(product, iters):
         return jax.lax.fori_loop(0, rounds, body, jnp.zeros(n, jnp.float32))
 
     return jax.jit(run)
+
+
+def no_weight(x, n):
+    """[M, n] from x alone: what the loop costs around a product."""
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], n))
 
 
 def time_per_gemm(fn, x, weights, iters, rounds):
@@ -134,6 +144,7 @@ def dense(args):
         "w4a16 decoded": lambda x, w: w4a16("cublaslt")(x, w[0]),
         "w4a4": lambda x, w: nv.matmul(nv.quantize(x), w[0]),
         "matmul": lambda x, w: nv.matmul(x, w[0]),
+        "loop": lambda x, w: no_weight(x, w[0].shape[-1]),
     }
     if not w4a16_gemm.handler_supported(256, 2):  # e.g. on the CPU
         for name in ("w4a16 handler", "w4a16 decoded"):
@@ -144,7 +155,7 @@ def dense(args):
     print(
         f"{'K -> N':>13s} {'M':>5s} "
         + " ".join(f"{name:>14s}" for name in products)
-        + "   (us per GEMM; bf16 / matmul; weight TB/s at matmul)"
+        + "   (us per GEMM; bf16 / matmul; the same less the loop; weight TB/s)"
     )
     for shape in args.shapes.split(","):
         k, n = parse_shape(shape)
@@ -162,9 +173,10 @@ def dense(args):
             results.append(row)
             times = " ".join(f"{row[name] * 1e6:14.1f}" for name in products)
             weight_bytes = n * k * 9 / 16  # codes and E4M3 scales
+            alone = (row["bf16"] - row["loop"]) / (row["matmul"] - row["loop"])
             print(
                 f"{k:>6d}->{n:<6d} {m:5d} {times}   {row['bf16'] / row['matmul']:.2f}x"
-                f"   {weight_bytes / row['matmul'] / 1e12:.2f}"
+                f"   {alone:.2f}x   {weight_bytes / row['matmul'] / 1e12:.2f}"
             )
     return results
 
@@ -198,13 +210,14 @@ def grouped(args):
         "bf16 xla": lambda x, w, sizes: jax.lax.ragged_dot(x, w[1], sizes),
         **tokamax_products(),
         "w4a16 ragged": lambda x, w, sizes: nv.ragged_dot(x, w[0], sizes),
+        "loop": lambda x, w, sizes: no_weight(x, w[1].shape[-1]),
     }
     bf16_names = [name for name in products if name.startswith("bf16")]
     count = args.experts
     print(
         f"\n{'G x K -> N':>16s} {'rows':>5s} "
         + " ".join(f"{name:>19s}" for name in products)
-        + "   (us per grouped GEMM; fastest bf16 / w4a16; expert TB/s at w4a16)"
+        + "   (us per grouped GEMM; fastest bf16 / w4a16; less the loop; TB/s)"
     )
     results = []
     for shape in args.grouped_shapes.split(","):
@@ -233,10 +246,11 @@ def grouped(args):
             best = min(row[name] for name in bf16_names if row[name] == row[name])
             times = " ".join(f"{row[name] * 1e6:19.1f}" for name in products)
             expert_bytes = count * n * k * 9 / 16
+            ours = row["w4a16 ragged"]
+            alone = (best - row["loop"]) / (ours - row["loop"])
             print(
                 f"{count:>3d} x {k:>5d}->{n:<5d} {per_expert:5d} {times}   "
-                f"{best / row['w4a16 ragged']:.2f}x   "
-                f"{expert_bytes / row['w4a16 ragged'] / 1e12:.2f}"
+                f"{best / ours:.2f}x   {alone:.2f}x   {expert_bytes / ours / 1e12:.2f}"
             )
     return results
 
