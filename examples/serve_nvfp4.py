@@ -380,9 +380,12 @@ def main(argv=None) -> dict:
     stacked = stack_experts(weights)
 
     def record_inputs(batch, record):
-        return forward(stacked, jnp.asarray(batch[0, :-1]), arch, record)
+        params, window = batch
+        return forward(params, jnp.asarray(window[0, :-1]), arch, record)
 
-    input_amax = checkpoint.calibrate(record_inputs, windows)
+    # The weights travel in each batch: closed over, they would become
+    # constants of the compiled forward (slow to compile for a large model).
+    input_amax = checkpoint.calibrate(record_inputs, [(stacked, w) for w in windows])
     directory = args.export_dir or tempfile.mkdtemp(prefix="serve_nvfp4_")
     checkpoint.export_nvfp4(
         weights, directory, nvfp4=nvfp4, input_amax=input_amax, fuse=()

@@ -125,6 +125,10 @@ def _weight_only(x, w: NVFP4Tensor, group_sizes, preferred_element_type):
             f"tensor quantize(w, axis=1) of w [G, K, N]; got stored shape {stored} "
             f"(quantized axis {w.axis}) with {w.batch_ndim} vmapped axes"
         )
+    if groups == 0:
+        raise ValueError(
+            "the experts [G, N, K] have no group (G = 0); pass at least one"
+        )
     if w.rht:
         raise ValueError(
             "the expert weights are Random-Hadamard-transformed along K, which "

@@ -1,13 +1,12 @@
 // A standalone check of the Hopper GEMM engine's kernels on an sm_90a GPU,
 // apart from their FFI handlers: the grouped forms
 // (ffi/gemm/engine/grouped_rows.cuh, grouped_tokens.cuh) and the W4A16 GEMM
-// (w4a16.cuh), dense and grouped. Bit-for-bit equality with plain reference kernels on
-// integer-valued operands and power-of-two scales and alphas (exact sums):
-// empty and unaligned groups, ragged M, N and K, every W4A16 configuration
-// and split, float32 and bfloat16 outputs; the speed of moe_bench's
-// projections and of serving_bench's W4A16 shapes, dense and grouped
-// (weights cycled past L2).
-// Exits 1 if any case differs.
+// (w4a16.cuh), dense and grouped. Bit-for-bit equality with plain reference
+// kernels on integer-valued operands and power-of-two scales and alphas (exact
+// sums): empty and unaligned groups, ragged M, N and K, every W4A16
+// configuration and split, float32 and bfloat16 outputs; the speed of
+// moe_bench's projections and of serving_bench's W4A16 shapes, dense and
+// grouped (weights cycled past L2). Exits 1 if any case differs.
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iffi \
 //     -o /tmp/engine_check tools/engine_check.cu && /tmp/engine_check
@@ -448,12 +447,14 @@ int main(int argc, char** argv) {
   W4A16<__nv_bfloat16>(33, 256, 768, true, sms);
   W4A16<__nv_bfloat16>(130, 518, 512, true, sms);  // N past whole quads
   // The grouped form: empty groups, groups off 16, rows past the groups,
-  // 16- and 128-token tiles, split K.
+  // every token tile (16 to 128), split K.
   W4A16<float>(100, 130, 512, true, sms, 1, {1, 0, 7, 17, 33, 0, 2, 20});
   W4A16<float>(128, 256, 4096, true, sms, 1, std::vector<int>(8, 16));
   W4A16<__nv_bfloat16>(1100, 300, 1024, true, sms, 1,
                        {300, 0, 513, 40, 0, 0, 100, 71});
   W4A16<float>(16, 64, 256, true, sms, 1, {0, 0, 0});
+  W4A16<float>(180, 130, 2048, true, sms, 1, {40, 0, 63, 17, 20, 30});
+  W4A16<float>(400, 130, 2048, true, sms, 1, {90, 33, 0, 64, 150, 0, 40, 20});
   if (!small) {
     W4A16<float>(2048, 1024, 2048, true, sms);
     // serving_bench's shapes; four weights cycled past L2.

@@ -31,6 +31,10 @@ def calibrate(
     jitted computation; ``record`` must then be called in ``forward_fn``'s own
     trace, not inside a ``lax.scan`` or an inner ``jax.jit`` (record those
     layers' amaxes as outputs of the scan and take their max instead).
+    Pass the model's weights in each batch (e.g. ``batches = [(params, b)
+    for b in data]``) rather than closing over them: arrays a jitted
+    function closes over become constants of its compiled computation, which
+    for a large model is slow to compile.
     """
 
     def run(batch):

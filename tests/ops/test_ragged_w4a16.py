@@ -204,6 +204,9 @@ def test_weights_it_cannot_serve_are_refused():
     rht = jax.vmap(lambda e: nv.quantize(e, axis=0, rht=True))(experts)
     with pytest.raises(ValueError, match="Random-Hadamard"):
         nv.ragged_dot(x, rht, sizes)
+    empty = jax.tree.map(lambda a: a[:0], _experts(2, 32, 256))
+    with pytest.raises(ValueError, match="no group"):
+        nv.ragged_dot(x, empty, jnp.zeros((0,), jnp.int32))
     with pytest.raises(ValueError, match="path must be one of"):
         ops.ragged_w4a16_matmul(
             x, *_stored(_experts(2, 32, 256)), sizes, dtype=jnp.float32, path="x"
@@ -315,6 +318,8 @@ GPU_SIZES = {
     "decode": ([16] * 8, 128),  # 8 experts x 16 rows: 16-token tiles
     "ragged": ([1, 0, 7, 17, 33, 0, 2, 20], 100),  # tails, padding rows
     "one-row": ([0, 0, 0, 1, 0, 0, 0, 0], 3),
+    "mean-30": ([40, 0, 63, 17, 100, 0, 1, 19], 240),  # 32-token tiles
+    "mean-50": ([90, 33, 0, 64, 150, 0, 40, 20], 400),  # 64-token tiles
     "prefill": ([300, 0, 513, 40, 0, 0, 100, 71], 1100),  # 128-token tiles
     "empty": ([0] * 8, 16),
 }
