@@ -206,3 +206,15 @@ def stub_xprof() -> bool:
     for parent, child in zip(names[:-1], names[1:], strict=True):
         setattr(sys.modules[parent], child.rsplit(".", 1)[1], sys.modules[child])
     return True
+
+
+def tokamax_ragged_dot():
+    """tokamax's ``ragged_dot``, or the reason it does not import (it needs
+    jax >= 0.11.1; its top-level import reaches xprof, for its own
+    benchmarking helpers only, which is stubbed where missing)."""
+    stub_xprof()
+    try:
+        import tokamax
+    except Exception as e:  # noqa: BLE001 - any failure: report it, go on
+        return None, f"{type(e).__name__}: {e}"
+    return tokamax.ragged_dot, None

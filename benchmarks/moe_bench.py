@@ -46,7 +46,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from common import argument_parser, header, stub_xprof, write_json
+from common import argument_parser, header, tokamax_ragged_dot, write_json
 
 import jax_nvfp4 as nv
 from jax_nvfp4.backends import bf16_grouped_gemm
@@ -72,18 +72,6 @@ def swiglu(product):
         return (y, *vjp(dy))
 
     return step
-
-
-def tokamax_ragged_dot():
-    """tokamax's ``ragged_dot``, or the reason it does not import (it needs
-    jax >= 0.11.1; its top-level import reaches xprof, for its own
-    benchmarking helpers only, which is stubbed where missing)."""
-    stub_xprof()
-    try:
-        import tokamax
-    except Exception as e:  # noqa: BLE001 - any failure: report it, go on
-        return None, f"{type(e).__name__}: {e}"
-    return tokamax.ragged_dot, None
 
 
 def kernel_operands(rows, wg, sizes):

@@ -83,9 +83,8 @@ def engine_supported(k: int, target: Any = None, *, grouped: bool = False) -> bo
     """Whether the Hopper engine's handler takes a weight [N, K] (``grouped``:
     its grouped form, weights [G, N, K]): compiled in, every device of
     compute capability 9.0 exactly, K a positive multiple of 256."""
-    if (RAGGED_ENGINE_TARGET if grouped else ENGINE_TARGET) not in library.targets_on(
-        "cuda"
-    ):
+    target_name = RAGGED_ENGINE_TARGET if grouped else ENGINE_TARGET
+    if target_name not in library.targets_on("cuda"):
         return False
     if k <= 0 or k % ENGINE_K_MULTIPLE:
         return False
@@ -184,8 +183,8 @@ def ragged_w4a16(
     dtype = np.dtype(dtype)
     amax = jnp.asarray(amax, jnp.float32).reshape(-1)
     rows, k = x.shape
-    n = codes.shape[1]
-    if path == "xla" or 0 in (rows, n, k):
+    groups, n = codes.shape[:2]
+    if path == "xla" or 0 in (rows, groups, n, k):
         return reference.ragged_w4a16_matmul(
             x, codes, scales, amax, group_sizes, dtype=dtype
         )
@@ -198,5 +197,5 @@ def ragged_w4a16(
         )
     result = jax.ShapeDtypeStruct((rows, n), dtype)
     return jax.ffi.ffi_call(RAGGED_ENGINE_TARGET, result)(
-        x, codes, scales, amax, group_sizes.astype(jnp.int32)
+        x, codes, scales, amax, group_sizes
     )

@@ -82,6 +82,16 @@ def test_matches_exact_sums(sizes, dtype):
     )
 
 
+def _assert_same_product(a: NVFP4Tensor, b: NVFP4Tensor, sizes):
+    """Two forms of the same experts (K = 256) give the same ragged_dot."""
+    x = jax.random.normal(jax.random.key(7), (sum(sizes) + 3, 256), jnp.bfloat16)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(nv.ragged_dot(x, a, sizes), np.float32),
+        np.asarray(nv.ragged_dot(x, b, sizes), np.float32),
+    )
+
+
 def test_one_tensor_of_all_experts_shares_its_amax():
     """w [G, K, N] quantized along K as one tensor: one amax for all."""
     w = jax.random.normal(jax.random.key(0), (3, 256, 32))
@@ -93,12 +103,7 @@ def test_one_tensor_of_all_experts_shares_its_amax():
         shape=(256, 32),
         axis=0,
     )
-    x = jax.random.normal(jax.random.key(1), (20, 256), jnp.bfloat16)
-    sizes = jnp.array([7, 9, 4], jnp.int32)
-    np.testing.assert_array_equal(
-        np.asarray(nv.ragged_dot(x, one, sizes), np.float32),
-        np.asarray(nv.ragged_dot(x, stacked, sizes), np.float32),
-    )
+    _assert_same_product(one, stacked, [7, 9, 4])
 
 
 def test_is_the_dequantized_experts_product():
@@ -127,12 +132,7 @@ def test_out_in_tensors_serve_as_stored():
     experts = jax.random.normal(jax.random.key(5), (2, 256, 32))
     in_out = jax.vmap(lambda e: nv.quantize(e, axis=0))(experts)
     out_in = jax.vmap(lambda e: nv.quantize(e.T, axis=1))(experts)
-    x = jax.random.normal(jax.random.key(6), (9, 256), jnp.bfloat16)
-    sizes = jnp.array([4, 5], jnp.int32)
-    np.testing.assert_array_equal(
-        np.asarray(nv.ragged_dot(x, in_out, sizes), np.float32),
-        np.asarray(nv.ragged_dot(x, out_in, sizes), np.float32),
-    )
+    _assert_same_product(in_out, out_in, [4, 5])
 
 
 def test_imported_experts_stack_into_one_operand():
@@ -142,12 +142,7 @@ def test_imported_experts_stack_into_one_operand():
     each = [nv.quantize(e, axis=0, block="16x16") for e in experts]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *each)
     under_vmap = jax.vmap(lambda e: nv.quantize(e, axis=0, block="16x16"))(experts)
-    x = jax.random.normal(jax.random.key(4), (9, 256), jnp.bfloat16)
-    sizes = jnp.array([4, 5], jnp.int32)
-    np.testing.assert_array_equal(
-        np.asarray(nv.ragged_dot(x, stacked, sizes), np.float32),
-        np.asarray(nv.ragged_dot(x, under_vmap, sizes), np.float32),
-    )
+    _assert_same_product(stacked, under_vmap, [4, 5])
 
 
 def test_traced_sizes_under_jit_and_vmap():

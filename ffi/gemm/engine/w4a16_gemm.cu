@@ -18,6 +18,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -31,6 +32,68 @@
 
 namespace jax_nvfp4 {
 namespace {
+
+// The part both targets share, once their shapes are checked: the plan,
+// the operands' alignment, the tensor maps (the weights' G * N rows as one)
+// and the launch in the output's type. groups > 0: the grouped form, its
+// output zeroed first (the rows no group covers; the sizes live on the
+// device).
+ffi::Error RunW4A16(const char* name, cudaStream_t stream,
+                    ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> codes,
+                    ffi::AnyBuffer scales, ffi::Buffer<ffi::F32> amax,
+                    const int32_t* group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                    int64_t m, int64_t groups, int64_t n, int64_t k) {
+  const int sms = engine::HopperSms();
+  if (sms == 0) {
+    return InvalidArgument(
+        std::string(name) +
+        " runs on compute capability 9.0 GPUs only (the dispatcher picks "
+        "another W4A16 GEMM elsewhere)");
+  }
+  engine::W4A16Plan plan;
+  const std::string error =
+      groups > 0 ? engine::PlanW4A16Grouped(m, groups, n, k, sms, &plan)
+                 : engine::PlanW4A16(m, n, k, sms, &plan);
+  if (!error.empty()) return InvalidArgument(error);
+  if (!IsAligned(x.typed_data(), 16) || !IsAligned(codes.typed_data(), 16) ||
+      !IsAligned(scales.untyped_data(), 16) ||
+      !IsAligned(out->untyped_data(), 16)) {
+    return InvalidArgument(std::string(name) +
+                           " needs 16-byte aligned operands");
+  }
+  CUtensorMap x_map, codes_map, scales_map;
+  if (!engine::W4A16Maps(x.typed_data(), codes.typed_data(),
+                         scales.untyped_data(), m,
+                         std::max<int64_t>(groups, 1) * n, k, plan.config,
+                         &x_map, &codes_map, &scales_map)) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("jax_nvfp4: ") + name +
+                          " could not encode its tensor maps (a CUDA driver "
+                          "of 12.0 or newer?)");
+  }
+  return ByOutputType(out->element_type(), name, [&](auto zero) {
+    using Out = decltype(zero);
+    cudaError_t launched = cudaSuccess;
+    if (groups > 0) {
+      launched =
+          cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
+    }
+    if (launched == cudaSuccess) {
+      launched = engine::LaunchW4A16(
+          plan, x_map, codes_map, scales_map,
+          reinterpret_cast<const __nv_bfloat16*>(x.typed_data()),
+          amax.typed_data(), static_cast<Out*>(out->untyped_data()), int(m),
+          int(n), int(k), stream, group_sizes, int(groups));
+    }
+    if (launched != cudaSuccess) {
+      return ffi::Error(
+          ffi::ErrorCode::kInternal,
+          std::string("jax_nvfp4: ") + name +
+              "'s launch failed: " + cudaGetErrorString(launched));
+    }
+    return ffi::Error::Success();
+  });
+}
 
 ffi::Error MatmulW4A16Sm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
                                ffi::Buffer<ffi::U8> codes,
@@ -50,43 +113,8 @@ ffi::Error MatmulW4A16Sm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   }
   const int64_t m = xd[0], n = cd[0], k = xd[1];
   if (m == 0 || n == 0) return ffi::Error::Success();
-  const int sms = engine::HopperSms();
-  if (sms == 0) {
-    return InvalidArgument(
-        "matmul_w4a16_sm90 runs on compute capability 9.0 GPUs only (the "
-        "dispatcher picks another W4A16 GEMM elsewhere)");
-  }
-  engine::W4A16Plan plan;
-  const std::string error = engine::PlanW4A16(m, n, k, sms, &plan);
-  if (!error.empty()) return InvalidArgument(error);
-  if (!IsAligned(x.typed_data(), 16) || !IsAligned(codes.typed_data(), 16) ||
-      !IsAligned(scales.untyped_data(), 16) ||
-      !IsAligned(out->untyped_data(), 16)) {
-    return InvalidArgument("matmul_w4a16_sm90 needs 16-byte aligned operands");
-  }
-  CUtensorMap x_map, codes_map, scales_map;
-  if (!engine::W4A16Maps(x.typed_data(), codes.typed_data(),
-                         scales.untyped_data(), m, n, k, plan.config, &x_map,
-                         &codes_map, &scales_map)) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      "jax_nvfp4: matmul_w4a16_sm90 could not encode its "
-                      "tensor maps (a CUDA driver of 12.0 or newer?)");
-  }
-  return ByOutputType(out->element_type(), "matmul_w4a16_sm90", [&](auto zero) {
-    using Out = decltype(zero);
-    const cudaError_t launched = engine::LaunchW4A16(
-        plan, x_map, codes_map, scales_map,
-        reinterpret_cast<const __nv_bfloat16*>(x.typed_data()),
-        amax.typed_data(), static_cast<Out*>(out->untyped_data()), int(m),
-        int(n), int(k), stream);
-    if (launched != cudaSuccess) {
-      return ffi::Error(ffi::ErrorCode::kInternal,
-                        std::string("jax_nvfp4: matmul_w4a16_sm90's launch "
-                                    "failed: ") +
-                            cudaGetErrorString(launched));
-    }
-    return ffi::Error::Success();
-  });
+  return RunW4A16("matmul_w4a16_sm90", stream, x, codes, scales, amax, nullptr,
+                  out, m, 0, n, k);
 }
 
 // The grouped form: x bf16 [T, K] with its rows in groups (group_sizes,
@@ -112,52 +140,16 @@ ffi::Error RaggedW4A16Sm90Cuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> x,
   }
   const int64_t rows = xd[0], groups = cd[0], n = cd[1], k = xd[1];
   if (rows == 0 || n == 0) return ffi::Error::Success();
-  const int sms = engine::HopperSms();
-  if (sms == 0) {
-    return InvalidArgument(
-        "ragged_w4a16_sm90 runs on compute capability 9.0 GPUs only (the "
-        "dispatcher picks another grouped W4A16 GEMM elsewhere)");
-  }
-  engine::W4A16Plan plan;
-  const std::string error =
-      engine::PlanW4A16Grouped(rows, groups, n, k, sms, &plan);
-  if (!error.empty()) return InvalidArgument(error);
-  if (!IsAligned(x.typed_data(), 16) || !IsAligned(codes.typed_data(), 16) ||
-      !IsAligned(scales.untyped_data(), 16) ||
-      !IsAligned(out->untyped_data(), 16)) {
-    return InvalidArgument("ragged_w4a16_sm90 needs 16-byte aligned operands");
-  }
-  CUtensorMap x_map, codes_map, scales_map;
-  if (!engine::W4A16Maps(x.typed_data(), codes.typed_data(),
-                         scales.untyped_data(), rows, groups * n, k,
-                         plan.config, &x_map, &codes_map, &scales_map)) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      "jax_nvfp4: ragged_w4a16_sm90 could not encode its "
-                      "tensor maps (a CUDA driver of 12.0 or newer?)");
-  }
-  // The rows no group covers are zeros; the sizes live on the device.
-  cudaError_t e =
-      cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
-  if (e != cudaSuccess) {
+  if (groups == 0) {  // no group takes a row: zeros
+    const cudaError_t e =
+        cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
+    if (e == cudaSuccess) return ffi::Error::Success();
     return ffi::Error(
         ffi::ErrorCode::kInternal,
         std::string("jax_nvfp4: ragged_w4a16_sm90: ") + cudaGetErrorString(e));
   }
-  return ByOutputType(out->element_type(), "ragged_w4a16_sm90", [&](auto zero) {
-    using Out = decltype(zero);
-    const cudaError_t launched = engine::LaunchW4A16(
-        plan, x_map, codes_map, scales_map,
-        reinterpret_cast<const __nv_bfloat16*>(x.typed_data()),
-        amax.typed_data(), static_cast<Out*>(out->untyped_data()), int(rows),
-        int(n), int(k), stream, group_sizes.typed_data(), int(groups));
-    if (launched != cudaSuccess) {
-      return ffi::Error(ffi::ErrorCode::kInternal,
-                        std::string("jax_nvfp4: ragged_w4a16_sm90's launch "
-                                    "failed: ") +
-                            cudaGetErrorString(launched));
-    }
-    return ffi::Error::Success();
-  });
+  return RunW4A16("ragged_w4a16_sm90", stream, x, codes, scales, amax,
+                  group_sizes.typed_data(), out, rows, groups, n, k);
 }
 
 }  // namespace
