@@ -394,3 +394,24 @@ def test_moe_training_loss_falls():
         losses.append(float(value))
     assert np.isfinite(losses).all()
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_undifferentiated_forward_quantizes_fprop_operands_alone():
+    """Without differentiation only FPROP's operands are quantized (no
+    transformed amax, no column-wise x, no DGRAD weights); the output bytes
+    are those of the differentiated forward pass."""
+    x = outlier_data(6, (50, 64), jnp.bfloat16)
+    w = outlier_data(7, (3, 64, 32), jnp.bfloat16)
+    sizes = jnp.array([20, 0, 27], jnp.int32)
+    key = jax.random.key(8)
+
+    def forward(x, w):
+        return nv.ragged_dot(x, w, sizes, key=key)
+
+    alone = jax.jit(forward)(x, w)
+    differentiated, _ = jax.jit(lambda x, w: jax.vjp(forward, x, w))(x, w)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(differentiated))
+    if "cpu" in nv.available_platforms():
+        hlo = jax.jit(forward).lower(x, w).compile().as_text()
+        assert "jax_nvfp4_quantize_rows_cols" not in hlo
+        assert 'jax_nvfp4_amax"' not in hlo, "no transformed amax"

@@ -327,3 +327,30 @@ def test_dot_runs_the_handlers_on_the_default_backend():
     hlo = step.lower(x, w, g).compile().as_text()
     assert hlo.count("jax_nvfp4_quantize_rows_cols") >= 3, "x, w and dY quantizations"
     assert "jax_nvfp4_amax" in hlo
+
+
+@pytest.mark.parametrize("nk", [False, True])
+@pytest.mark.parametrize("recipe", [nv.NVFP4, nv.NVFP4_NO_RHT])
+def test_undifferentiated_forward_quantizes_fprop_operands_alone(recipe, nk):
+    """Without differentiation (an eval step) only FPROP's operands are
+    quantized: no transformed amax, no column-wise x, no DGRAD weight; the
+    output bytes are those of the differentiated forward pass."""
+    x = outlier_data(3, (40, 64), jnp.bfloat16)
+    w = outlier_data(4, (32, 64) if nk else (64, 32), jnp.bfloat16)
+    key = jax.random.key(5)
+
+    def forward(x, w):
+        if nk:
+            return nv.dot_general(
+                x, w, (((1,), (1,)), ((), ())), key=key, recipe=recipe
+            )
+        return nv.dot(x, w, key=key, recipe=recipe)
+
+    alone = jax.jit(forward)(x, w)
+    differentiated, _ = jax.jit(lambda x, w: jax.vjp(forward, x, w))(x, w)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(differentiated))
+    if "cpu" in nv.available_platforms():
+        hlo = jax.jit(forward).lower(x, w).compile().as_text()
+        assert "jax_nvfp4_quantize_rows_cols" not in hlo
+        assert 'jax_nvfp4_amax"' not in hlo, "no transformed amax"
+        assert hlo.count('custom_call_target="jax_nvfp4_quantize_') == 2

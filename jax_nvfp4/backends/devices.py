@@ -62,19 +62,36 @@ def cuda_devices() -> tuple[Any, ...]:
         return ()
 
 
+def _compiled_for(module_context) -> tuple[Any, ...]:
+    """The GPUs a module is compiled for, where its context names them (the
+    device assignment of jit, the mesh of shard_map); () otherwise."""
+    axis_context = getattr(module_context, "axis_context", None)
+    assigned = getattr(axis_context, "device_assignment", None)
+    if assigned is None:
+        mesh_devices = getattr(getattr(axis_context, "mesh", None), "devices", None)
+        assigned = None if mesh_devices is None else list(mesh_devices.flat)
+    if not assigned or any(getattr(d, "platform", None) != "gpu" for d in assigned):
+        return ()
+    return tuple(assigned)
+
+
 def lowering_devices(target: Any = None) -> tuple[Any, ...]:
     """The devices a GEMM is lowered for.
 
-    ``target``: a lowering rule's context (the CUDA backend's devices if it
-    lowers for "cuda" alone; none for a module lowered for several platforms,
-    e.g. by ``jax.export``, which then keeps the portable GEMM), a device, a
-    sequence of devices, or None for the CUDA backend's devices.
+    ``target``: a lowering rule's context (if it lowers for "cuda" alone: the
+    GPUs the computation is compiled for, e.g. those of an ahead-of-time
+    topology, else the CUDA backend's devices; none for a module lowered for
+    several platforms, e.g. by ``jax.export``, which then keeps the portable
+    GEMM), a device, a sequence of devices, or None for the CUDA backend's
+    devices.
     """
     if target is None:
         return cuda_devices()
     if hasattr(target, "module_context"):  # mlir.LoweringRuleContext
         platforms = tuple(target.platforms or target.module_context.platforms)
-        return cuda_devices() if platforms == ("cuda",) else ()
+        if platforms != ("cuda",):
+            return ()
+        return _compiled_for(target.module_context) or cuda_devices()
     if hasattr(target, "platform"):
         return (target,)
     if isinstance(target, Sequence):

@@ -255,10 +255,13 @@ def ragged_w4a16_cuda(x, codes, scales, amax, group_sizes, *, dtype, path):
     )
 
 
-def matmul_cuda(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype):
-    """The matmul primitive's CUDA lowering body: the GEMM of ``dense_path``.
-    Decoded operands take a bf16 GEMM on any GPU."""
-    path = dense_path()
+def matmul_cuda(
+    a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, *, dtype, path=None
+):
+    """The matmul primitive's CUDA lowering body: the GEMM of ``path`` (one
+    of ``DENSE``; None: ``dense_path()``, the CUDA backend's). Decoded
+    operands take a bf16 GEMM on any GPU."""
+    path = dense_path() if path is None else path
     decoded = is_decoded(a_codes) or is_decoded(b_codes)
     if path == "cublaslt_bf16" or (path == "native_fp4" and decoded):
         fn = functools.partial(

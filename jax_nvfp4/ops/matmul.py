@@ -12,6 +12,8 @@ path.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +82,13 @@ def _batch(args, dims, *, dtype):
     return out.reshape(size, -1, *out.shape[1:]), 0
 
 
+def _choose_cuda(ctx, *, dtype):
+    """The CUDA lowering body: the dispatcher's GEMM for the devices the
+    computation is compiled for."""
+    del dtype  # the body's param
+    return functools.partial(dispatch.matmul_cuda, path=dispatch.dense_path(ctx))
+
+
 matmul_p = primitive.define(
     "nvfp4_matmul",
     "jax_nvfp4_matmul",
@@ -89,7 +98,7 @@ matmul_p = primitive.define(
     _layout,
     multiple=False,
     drop=("dtype",),
-    lowerings={"cuda": dispatch.matmul_cuda},
+    lowerings={"cuda": primitive.ChosenAtLowering(_choose_cuda)},
     # The CPU handler multiplies codes; decoded operands take the twin there.
     handler_applies=lambda avals: not (is_decoded(avals[0]) or is_decoded(avals[3])),
 )

@@ -123,7 +123,12 @@ def _weights(w, recipe, nk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dot2(x2, w, words, recipe, static):
-    out, _ = _dot2_fwd(x2, w, words, recipe, static)
+    # Not differentiated: FPROP's operands alone (the same output bytes), so
+    # no amax of the transformed x, no column-wise x and no DGRAD weight.
+    fprop_only = dataclasses.replace(
+        recipe, dgrad=False, wgrad=False, stochastic_rounding=False
+    )
+    out, _ = _dot2_fwd(x2, w, words, fprop_only, static)
     return out
 
 

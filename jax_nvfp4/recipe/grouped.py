@@ -229,7 +229,12 @@ def _named(t, name):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _ragged(x, w, group_sizes, words, recipe, static):
-    out, _ = _ragged_fwd(x, w, group_sizes, words, recipe, static)
+    # Not differentiated: FPROP's operands alone (the same output bytes),
+    # none of the backward pass's residuals.
+    fprop_only = dataclasses.replace(
+        recipe, dgrad=False, wgrad=False, stochastic_rounding=False
+    )
+    out, _ = _ragged_fwd(x, w, group_sizes, words, fprop_only, static)
     return out
 
 

@@ -3,6 +3,7 @@ on CPU: by compute capability, registered handlers and switches; the one custom
 call the primitive lowers to for "cuda"; the decode handler's shape checks."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,32 @@ def test_gemm_path_defaults_to_the_cuda_backend(monkeypatch):
     monkeypatch.setattr(devices, "cuda_devices", lambda: (fake_device("gpu", "9.0"),))
     assert dispatch.dense_path() == "cublaslt_bf16"
     assert bf16_gemm.cublaslt_gemm_supported()
+
+
+def _lowering_context(platforms, axis_context):
+    module = types.SimpleNamespace(platforms=platforms, axis_context=axis_context)
+    return types.SimpleNamespace(platforms=None, module_context=module)
+
+
+def test_lowering_devices_are_those_compiled_for(monkeypatch):
+    """A lowering for "cuda" alone chooses for the GPUs the computation is
+    compiled for (jit's device assignment, shard_map's mesh; e.g. an
+    ahead-of-time topology without a GPU here), else for the CUDA backend's;
+    a lowering for several platforms (export) for none."""
+    hopper, blackwell = fake_device("gpu", "9.0"), fake_device("gpu", "10.0")
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (blackwell,))
+    assigned = types.SimpleNamespace(device_assignment=(hopper, hopper))
+    mesh = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.array([hopper])))
+    on_cpus = types.SimpleNamespace(device_assignment=tuple(jax.devices("cpu")))
+    unnamed = types.SimpleNamespace(device_assignment=None)
+    lowered = devices.lowering_devices
+    assert lowered(_lowering_context(("cuda",), assigned)) == (hopper, hopper)
+    assert lowered(_lowering_context(("cuda",), mesh)) == (hopper,)
+    # Lowered for "cuda" from a process whose jit devices are CPUs (tests, or
+    # jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))).
+    assert lowered(_lowering_context(("cuda",), on_cpus)) == (blackwell,)
+    assert lowered(_lowering_context(("cuda",), unnamed)) == (blackwell,)
+    assert lowered(_lowering_context(("cuda", "cpu"), assigned)) == ()
 
 
 def test_operand_form_follows_the_setting(monkeypatch):

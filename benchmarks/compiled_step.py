@@ -1,0 +1,167 @@
+"""Where a training step's HBM bytes go, counted in the program XLA compiles
+for an H200, with or without one.
+
+    python benchmarks/compiled_step.py --sizes d2048-32k
+    python benchmarks/compiled_step.py --sizes d2048-8k --hlo-dir /tmp/hlo
+
+The step is model_step.py's (the same models, sizes, precisions and
+remat policies). It is compiled for the GPU attached or, on a machine
+without one, ahead of time for the H200 that h200_target.pbtxt describes
+(XLA's GPU compiler through the CUDA PJRT plugin: ``pip install
+jax-cuda13-plugin jax-cuda13-pjrt`` at jax's version, and jax_nvfp4 built
+with its CUDA handlers, as ``pip install .`` does where nvcc is found).
+Every kernel of the compiled program is counted (hlo_bytes.py): per family,
+the kernels launched and the GiB read and written per step, then what each
+precision adds to bf16's step and what those bytes cost at --bandwidth.
+
+A count, not a measurement (hlo_bytes.py says what it leaves out). Compiled
+without a GPU: attention is XLA's (cuDNN picks its kernels on the GPU
+itself), so attention's rows are not the GPU's, the same in every precision;
+the GEMM operand form is set to "decoded", the choice an H200 makes.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+
+import jax
+import model_step
+from common import argument_parser, write_json
+from hlo_bytes import kernels
+
+from jax_nvfp4 import config
+
+TARGET_CONFIG = os.path.join(os.path.dirname(__file__), "h200_target.pbtxt")
+
+# Kernel families, matched in order on a custom call's target or a fusion's
+# name and kind ("name kind").
+FAMILIES = (
+    ("nvfp4 quantize", r"jax_nvfp4_quantize"),
+    ("nvfp4 amax", r"jax_nvfp4_(amax|abs_max)"),
+    ("nvfp4 decode", r"jax_nvfp4_(decode|dequantize)"),
+    ("GEMM", r"jax_nvfp4_(matmul|grouped|ragged)|cublas|gemm|kCustom"),
+    ("attention", r"cudnn|fmha|attention"),
+    ("XLA transpose", r"transpose"),
+    ("XLA reduce", r"reduce|kInput"),
+    ("copy", r"^copy"),
+)
+
+
+def family(kernel) -> str:
+    text = f"{kernel.name} {kernel.target}"
+    for label, pattern in FAMILIES:
+        if re.search(pattern, text):
+            return label
+    return "XLA elementwise"
+
+
+def compile_devices():
+    """(devices, "attached" or "ahead of time"): the GPUs here, else an
+    H200 topology for ahead-of-time compilation."""
+    if jax.default_backend() == "gpu":
+        return jax.devices()[:1], "attached"
+    from jax.experimental import topologies
+
+    with open(TARGET_CONFIG) as f:
+        target = f.read()
+    try:
+        topology = topologies.get_topology_desc(
+            "h200", "cuda", target_config=target, topology="1x1x1"
+        )
+    except Exception as e:  # no CUDA PJRT plugin
+        raise SystemExit(
+            "no GPU here, and compiling for one needs the CUDA PJRT plugin: "
+            f"pip install jax-cuda13-plugin jax-cuda13-pjrt ({e})"
+        ) from e
+    return topology.devices[:1], "ahead of time"
+
+
+def compiled_text(size, precision, remat, framework, device) -> str:
+    step, state, tokens = model_step.build_step(size, precision, remat, framework)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def abstract(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    lowered = step.lower(jax.tree.map(abstract, state), abstract(tokens))
+    return lowered.compile().as_text()
+
+
+def ledger(text: str) -> dict[str, dict[str, float]]:
+    """{family: {"kernels": launches per step, "gib": GiB per step}}."""
+    out = collections.defaultdict(lambda: {"kernels": 0, "gib": 0.0})
+    for kernel in kernels(text):
+        row = out[family(kernel)]
+        row["kernels"] += kernel.trips
+        row["gib"] += kernel.bytes * kernel.trips / 2**30
+    return dict(out)
+
+
+def print_table(size, results, bandwidth):
+    precisions = list(results)
+    families = sorted(
+        {f for r in results.values() for f in r},
+        key=lambda f: -max(r.get(f, {"gib": 0})["gib"] for r in results.values()),
+    )
+    print(f"\n{size}: kernels launched / GiB moved per step")
+    print(f"{'family':18s}" + "".join(f"{p:>22s}" for p in precisions))
+    for name in families + ["total"]:
+        cells = []
+        for p in precisions:
+            rows = results[p].values() if name == "total" else [results[p].get(name)]
+            rows = [r for r in rows if r]
+            n, gib = sum(r["kernels"] for r in rows), sum(r["gib"] for r in rows)
+            cells.append(f"{n:9d} / {gib:9.2f}")
+        print(f"{name:18s}" + "".join(f"{c:>22s}" for c in cells))
+    base = sum(r["gib"] for r in results["bf16"].values())
+    for p in precisions[1:]:
+        extra = sum(r["gib"] for r in results[p].values()) - base
+        print(
+            f"{p}: {extra:+.2f} GiB per step against bf16, "
+            f"{extra * 2**30 / (bandwidth * 1e12) * 1e3:+.2f} ms at "
+            f"{bandwidth:g} TB/s"
+        )
+
+
+def main(argv=None):
+    parser = argument_parser(__doc__)
+    parser.add_argument("--sizes", default="d2048-8k,d2048-32k,d4096-8k")
+    parser.add_argument("--framework", default="flax", choices=model_step.FRAMEWORKS)
+    parser.add_argument("--precisions", default=",".join(model_step.PRECISIONS))
+    parser.add_argument(
+        "--remat", default="none", choices=model_step.llama_flax.REMAT_POLICIES
+    )
+    parser.add_argument("--bandwidth", type=float, default=4.0, help="TB/s")
+    parser.add_argument("--hlo-dir", help="write each compiled program here")
+    parser.add_argument("--out", help="write the ledgers as JSON here")
+    args = parser.parse_args(argv)
+    precisions = args.precisions.split(",")
+    if precisions[0] != "bf16":
+        raise SystemExit("--precisions must start with bf16 (the baseline)")
+    devices, how = compile_devices()
+    print(f"compiled for {devices[0].device_kind} ({how}) | jax {jax.__version__}")
+    settings = {} if how == "attached" else {"gemm_operands": "decoded"}
+    everything = {}
+    for size in args.sizes.split(","):
+        results = {}
+        for precision in precisions:
+            with config.override(**settings):
+                text = compiled_text(
+                    size, precision, args.remat, args.framework, devices[0]
+                )
+            if args.hlo_dir:
+                os.makedirs(args.hlo_dir, exist_ok=True)
+                name = f"{size}-{precision}-{args.framework}-{args.remat}.hlo"
+                with open(os.path.join(args.hlo_dir, name), "w") as f:
+                    f.write(text)
+            results[precision] = ledger(text)
+        print_table(size, results, args.bandwidth)
+        everything[size] = results
+    if args.out:
+        write_json(args.out, {"compiled_for": how, "ledgers": everything})
+
+
+if __name__ == "__main__":
+    main()
