@@ -3,6 +3,7 @@ for an H200, with or without one.
 
     python benchmarks/compiled_step.py --sizes d2048-32k
     python benchmarks/compiled_step.py --sizes d2048-8k --hlo-dir /tmp/hlo
+    JAX_PLATFORMS=cpu python benchmarks/compiled_step.py   # no GPU here
 
 The step is model_step.py's (the same models, sizes, precisions and
 remat policies). It is compiled for the GPU attached or, on a machine
@@ -72,8 +73,9 @@ def compile_devices():
         )
     except Exception as e:  # no CUDA PJRT plugin
         raise SystemExit(
-            "no GPU here, and compiling for one needs the CUDA PJRT plugin: "
-            f"pip install jax-cuda13-plugin jax-cuda13-pjrt ({e})"
+            "no GPU here, and compiling for one needs the CUDA PJRT plugin "
+            "(pip install jax-cuda13-plugin jax-cuda13-pjrt at jax's version), "
+            f"with JAX_PLATFORMS=cpu on a machine without a GPU ({e})"
         ) from e
     return topology.devices[:1], "ahead of time"
 

@@ -52,7 +52,7 @@ ENTRY %main (a: f32[4,8], b: bf16[4,8]) -> u8[4,4] {
   %out = bf16[4,8]{1,0} get-tuple-element(%loop), index=2
   ROOT %q = u8[4,4]{1,0} custom-call(%out), custom_call_target="jax_nvfp4_quantize_rows"
 }
-"""
+"""  # noqa: E501
 
 
 def test_shape_bytes():
