@@ -80,8 +80,10 @@ def compile_devices():
     return topology.devices[:1], "ahead of time"
 
 
-def compiled_text(size, precision, remat, framework, device) -> str:
-    step, state, tokens = model_step.build_step(size, precision, remat, framework)
+def compiled_text(size, precision, remat, framework, device, evaluate) -> str:
+    step, state, tokens = model_step.build_step(
+        size, precision, remat, framework, evaluate
+    )
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def abstract(a):
@@ -135,6 +137,9 @@ def main(argv=None):
     parser.add_argument(
         "--remat", default="none", choices=model_step.llama_flax.REMAT_POLICIES
     )
+    parser.add_argument(
+        "--eval", action="store_true", help="the loss alone: an evaluation step"
+    )
     parser.add_argument("--bandwidth", type=float, default=4.0, help="TB/s")
     parser.add_argument("--hlo-dir", help="write each compiled program here")
     parser.add_argument("--out", help="write the ledgers as JSON here")
@@ -143,7 +148,11 @@ def main(argv=None):
     if precisions[0] != "bf16":
         raise SystemExit("--precisions must start with bf16 (the baseline)")
     devices, how = compile_devices()
-    print(f"compiled for {devices[0].device_kind} ({how}) | jax {jax.__version__}")
+    step_kind = "evaluation step" if args.eval else f"training step, remat={args.remat}"
+    print(
+        f"compiled for {devices[0].device_kind} ({how}) | jax {jax.__version__} "
+        f"| {step_kind}"
+    )
     settings = {} if how == "attached" else {"gemm_operands": "decoded"}
     everything = {}
     for size in args.sizes.split(","):
@@ -151,18 +160,27 @@ def main(argv=None):
         for precision in precisions:
             with config.override(**settings):
                 text = compiled_text(
-                    size, precision, args.remat, args.framework, devices[0]
+                    size, precision, args.remat, args.framework, devices[0], args.eval
                 )
             if args.hlo_dir:
                 os.makedirs(args.hlo_dir, exist_ok=True)
-                name = f"{size}-{precision}-{args.framework}-{args.remat}.hlo"
+                kind = "eval" if args.eval else args.remat
+                name = f"{size}-{precision}-{args.framework}-{kind}.hlo"
                 with open(os.path.join(args.hlo_dir, name), "w") as f:
                     f.write(text)
             results[precision] = ledger(text)
         print_table(size, results, args.bandwidth)
         everything[size] = results
     if args.out:
-        write_json(args.out, {"compiled_for": how, "ledgers": everything})
+        write_json(
+            args.out,
+            {
+                "compiled_for": f"{devices[0].device_kind} ({how})",
+                "eval": args.eval,
+                "remat": args.remat,
+                "ledgers": everything,
+            },
+        )
 
 
 if __name__ == "__main__":

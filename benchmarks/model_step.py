@@ -4,6 +4,7 @@
     python benchmarks/model_step.py --sizes d2048-8k --rounds 3
     python benchmarks/model_step.py --memory     # peak memory, a process each
     python benchmarks/model_step.py --profile --sizes d2048-8k   # kernel families
+    python benchmarks/model_step.py --eval       # the loss alone (evaluation)
 
 The models are nvfp4_examples.llama_flax's (Flax NNX; nnx.scan) and
 nvfp4_examples.llama_equinox's (Equinox; lax.scan over eqx.filter_vmap-built
@@ -91,16 +92,23 @@ def policy_for(precision: str, blocks: int) -> Policy | None:
     )
 
 
-def build_step(size: str, precision: str, remat: str, framework: str = "flax"):
+def build_step(
+    size: str,
+    precision: str,
+    remat: str,
+    framework: str = "flax",
+    evaluate: bool = False,
+):
     """(jitted step(state, tokens) -> (state, loss), state, tokens): one AdamW
-    step of the example's Llama in ``framework``."""
+    step of the example's Llama in ``framework``; with ``evaluate``, the loss
+    alone (no gradients, the state returned as it came)."""
     d, blocks, heads, ffn, batch, seq = SIZES[size]
     gpu = jax.default_backend() == "gpu"
     tail = 0 if precision == SWITCH else 1
     policy = policy_for(precision, blocks)
     tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, 256)
     if framework == "equinox":
-        step, state = _equinox_step(size, policy, remat, tail, gpu)
+        step, state = _equinox_step(size, policy, remat, tail, gpu, evaluate)
         return step, state, tokens
     model = llama_flax.Llama(
         d_model=d,
@@ -119,14 +127,16 @@ def build_step(size: str, precision: str, remat: str, framework: str = "flax"):
 
     def step(state, tokens):
         model, optimizer = nnx.merge(graphdef, state)
+        if evaluate:
+            return state, llama_flax.next_byte_loss(model, tokens)
         loss, grads = nnx.value_and_grad(llama_flax.next_byte_loss)(model, tokens)
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
-    return jax.jit(step, donate_argnums=0), state, tokens
+    return jax.jit(step, donate_argnums=() if evaluate else 0), state, tokens
 
 
-def _equinox_step(size, policy, remat, tail, gpu):
+def _equinox_step(size, policy, remat, tail, gpu, evaluate):
     """(step, state) of nvfp4_examples.llama_equinox's model: float32 master
     weights cast to bf16 in the step, one stochastic-rounding key per step."""
     d, blocks, heads, ffn, _, _ = SIZES[size]
@@ -153,12 +163,14 @@ def _equinox_step(size, policy, remat, tail, gpu):
             model = llama_equinox.to_bf16(eqx.combine(params, static))
             return llama_equinox.loss_fn(model, tokens, step_key)
 
+        if evaluate:
+            return state, loss_of(params)
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state, key), loss
 
     state = (params, tx.init(params), jax.random.key(1))
-    return jax.jit(step, donate_argnums=0), state
+    return jax.jit(step, donate_argnums=() if evaluate else 0), state
 
 
 def run_steps(step, state, tokens, n: int):
@@ -168,11 +180,13 @@ def run_steps(step, state, tokens, n: int):
     return state
 
 
-def time_configs(size, precisions, remat, rounds, steps, settle, framework):
+def time_configs(
+    size, precisions, remat, rounds, steps, settle, framework, evaluate=False
+):
     """{precision: [ms per step, one per round]}, interleaved rounds."""
     built = {}
     for precision in precisions:
-        step, state, tokens = build_step(size, precision, remat, framework)
+        step, state, tokens = build_step(size, precision, remat, framework, evaluate)
         state = run_steps(step, state, tokens, 2)  # compile and warm up
         built[precision] = [step, state, tokens]
     times = collections.defaultdict(list)
@@ -231,13 +245,13 @@ class _TwoSteps:
         return loss
 
 
-def profile(size, precisions, remat, framework):
+def profile(size, precisions, remat, framework, evaluate=False):
     """{precision: {family: µs per step}} of two traced steps each."""
     from step_profile import trace_events
 
     result = {}
     for precision in precisions:
-        step, state, tokens = build_step(size, precision, remat, framework)
+        step, state, tokens = build_step(size, precision, remat, framework, evaluate)
         state = run_steps(step, state, tokens, 2)
         two_steps = _TwoSteps(step, state)
         lines = trace_events(two_steps, tokens, warmup=1)
@@ -271,6 +285,9 @@ def main(argv=None):
     parser.add_argument("--settle", type=float, default=1.0, help="seconds")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--eval", action="store_true", help="the loss alone: an evaluation step"
+    )
     parser.add_argument("--only", help=argparse_hidden())
     parser.add_argument("--out", help="write every sample as JSON here")
     args = parser.parse_args(argv)
@@ -298,8 +315,9 @@ def main(argv=None):
         return
 
     print(header())
-    print(f"remat={args.remat}")
-    payload = {"remat": args.remat, "runs": {}}
+    step_kind = "evaluation step (the loss alone)" if args.eval else "training step"
+    print(f"remat={args.remat} | {step_kind}")
+    payload = {"remat": args.remat, "eval": args.eval, "runs": {}}
     for size in sizes:
         for framework in frameworks:
             d, blocks, heads, ffn, batch, seq = SIZES[size]
@@ -342,7 +360,7 @@ def _memory(args, framework, size, precisions):
 
 
 def _profile(args, framework, size, precisions):
-    result = profile(size, precisions, args.remat, framework)
+    result = profile(size, precisions, args.remat, framework, args.eval)
     last = precisions[-1]
     families = sorted(
         {f for r in result.values() for f in r["families"]},
@@ -379,7 +397,14 @@ def _profile(args, framework, size, precisions):
 
 def _timed(args, framework, size, precisions):
     times = time_configs(
-        size, precisions, args.remat, args.rounds, args.steps, args.settle, framework
+        size,
+        precisions,
+        args.remat,
+        args.rounds,
+        args.steps,
+        args.settle,
+        framework,
+        args.eval,
     )
     for precision in precisions:
         ratios = [t / b for t, b in zip(times[precision], times["bf16"], strict=True)]

@@ -1,7 +1,7 @@
 """Compiling ahead of time for an H200 on a machine without a GPU (XLA's GPU
 compiler through the CUDA PJRT plugin and benchmarks/h200_target.pbtxt):
-the GEMMs chosen are the H200's, and an undifferentiated forward pass has
-no amax kernel of its own. Skipped without the plugin or the extension's
+the GEMMs chosen are the H200's, and an undifferentiated forward pass on
+FP4 codes has no amax kernel of its own. Skipped without the plugin or the extension's
 CUDA handlers; the plugin compiles without a GPU under JAX_PLATFORMS=cpu
 (the test suite's setting)."""
 
@@ -74,8 +74,13 @@ def test_recipe_gemms_and_amax(h200):
 
     with config.override(gemm_operands="decoded"):
         evaluation, training = _targets(forward, x, w), _targets(step, x, w)
+    with config.override(gemm_operands="codes"):
+        on_codes = _targets(forward, x, w)
     assert bf16_gemm.GRAPH_TARGET in evaluation
     assert training.count(bf16_gemm.GRAPH_TARGET) == 3  # FPROP, DGRAD, WGRAD
     assert "jax_nvfp4_amax" in training
-    assert "jax_nvfp4_amax" not in evaluation
-    assert "jax_nvfp4_quantize_rows_cols" not in evaluation
+    # On decoded operands the fused pass writes x's rows; on codes an
+    # evaluation quantizes FPROP's operands alone, with the plain amax.
+    assert "jax_nvfp4_quantize_rows_cols" in evaluation
+    assert "jax_nvfp4_amax" not in on_codes
+    assert "jax_nvfp4_quantize_rows_cols" not in on_codes

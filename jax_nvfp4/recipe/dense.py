@@ -123,13 +123,22 @@ def _weights(w, recipe, nk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dot2(x2, w, words, recipe, static):
-    # Not differentiated: FPROP's operands alone (the same output bytes), so
-    # no amax of the transformed x, no column-wise x and no DGRAD weight.
-    fprop_only = dataclasses.replace(
+    out, _ = _dot2_fwd(x2, w, words, _undifferentiated(recipe, x2.dtype), static)
+    return out
+
+
+def _undifferentiated(recipe, dtype):
+    """The recipe of a product that is not differentiated: where the GEMM
+    reads codes, FPROP's operands alone (no transformed amax, no column-wise
+    x, no DGRAD weight; the same output bytes). Where it reads decoded
+    operands (Hopper), the whole forward pass: only the fused pass writes
+    x's decoded rows, and without it a decode pass would move more bytes
+    than the column-wise copy it saves."""
+    if dispatch.decoded_operands(dtype):
+        return recipe
+    return dataclasses.replace(
         recipe, dgrad=False, wgrad=False, stochastic_rounding=False
     )
-    out, _ = _dot2_fwd(x2, w, words, fprop_only, static)
-    return out
 
 
 def _dot2_fwd(x2, w, words, recipe, static):

@@ -229,12 +229,14 @@ def _named(t, name):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _ragged(x, w, group_sizes, words, recipe, static):
-    # Not differentiated: FPROP's operands alone (the same output bytes),
-    # none of the backward pass's residuals.
-    fprop_only = dataclasses.replace(
-        recipe, dgrad=False, wgrad=False, stochastic_rounding=False
-    )
-    out, _ = _ragged_fwd(x, w, group_sizes, words, fprop_only, static)
+    # Not differentiated and the GEMMs read codes: FPROP's operands alone
+    # (the same output bytes). With decoded operands the whole forward pass,
+    # as the dense product's (recipe/dense.py, _undifferentiated).
+    if not static[2]:
+        recipe = dataclasses.replace(
+            recipe, dgrad=False, wgrad=False, stochastic_rounding=False
+        )
+    out, _ = _ragged_fwd(x, w, group_sizes, words, recipe, static)
     return out
 
 
