@@ -79,8 +79,8 @@ def test_recipe_gemms_and_amax(h200):
     assert bf16_gemm.GRAPH_TARGET in evaluation
     assert training.count(bf16_gemm.GRAPH_TARGET) == 3  # FPROP, DGRAD, WGRAD
     assert "jax_nvfp4_amax" in training
-    # On decoded operands the fused pass writes x's rows; on codes an
-    # evaluation quantizes FPROP's operands alone, with the plain amax.
+    # On decoded operands an evaluation keeps the fused pass that writes x's
+    # rows; on codes it quantizes FPROP's operands alone, with the plain amax.
     assert "jax_nvfp4_quantize_rows_cols" in evaluation
     assert "jax_nvfp4_amax" not in on_codes
     assert "jax_nvfp4_quantize_rows_cols" not in on_codes

@@ -335,9 +335,9 @@ def test_dot_runs_the_handlers_on_the_default_backend():
 def test_undifferentiated_forward_quantizes_fprop_operands_alone(recipe, nk, form):
     """Without differentiation (an eval step), where the GEMM reads codes,
     only FPROP's operands are quantized: no transformed amax, no column-wise
-    x, no DGRAD weight. Where it reads decoded operands, the fused pass
-    writes x's decoded rows (its column-wise copy costs fewer bytes than a
-    decode pass). The output bytes are the differentiated forward's."""
+    x, no DGRAD weight. Where it reads decoded operands, the forward pass is
+    the differentiated one (its fused pass writes x's decoded rows). The
+    output bytes are the differentiated forward's."""
     x = outlier_data(3, (40, 64), jnp.bfloat16)
     w = outlier_data(4, (32, 64) if nk else (64, 32), jnp.bfloat16)
     key = jax.random.key(5)
@@ -355,9 +355,9 @@ def test_undifferentiated_forward_quantizes_fprop_operands_alone(recipe, nk, for
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(differentiated))
     if not nv.available_platforms():
         return  # the twins: no custom calls to count
+    fused = "jax_nvfp4_quantize_rows_cols" in hlo
+    assert fused == (form == "decoded")
     if form == "codes":
-        assert "jax_nvfp4_quantize_rows_cols" not in hlo
         assert 'jax_nvfp4_amax"' not in hlo, "no transformed amax"
-        assert hlo.count('custom_call_target="jax_nvfp4_quantize_') == 2
-    else:
-        assert "jax_nvfp4_quantize_rows_cols" in hlo
+        quantizations = hlo.count('custom_call_target="jax_nvfp4_quantize_')
+        assert quantizations == 2, "x, and w along K"

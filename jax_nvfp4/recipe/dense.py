@@ -44,6 +44,7 @@ from jax_nvfp4.recipe.steps import (
     quantize_weights,
     refuse_forward_mode,
     token_sharding,
+    undifferentiated,
 )
 
 __all__ = ["dot2d"]
@@ -123,22 +124,9 @@ def _weights(w, recipe, nk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dot2(x2, w, words, recipe, static):
-    out, _ = _dot2_fwd(x2, w, words, _undifferentiated(recipe, x2.dtype), static)
+    forward = undifferentiated(recipe, dispatch.decoded_operands(x2.dtype))
+    out, _ = _dot2_fwd(x2, w, words, forward, static)
     return out
-
-
-def _undifferentiated(recipe, dtype):
-    """The recipe of a product that is not differentiated: where the GEMM
-    reads codes, FPROP's operands alone (no transformed amax, no column-wise
-    x, no DGRAD weight; the same output bytes). Where it reads decoded
-    operands (Hopper), the whole forward pass: only the fused pass writes
-    x's decoded rows, and without it a decode pass would move more bytes
-    than the column-wise copy it saves."""
-    if dispatch.decoded_operands(dtype):
-        return recipe
-    return dataclasses.replace(
-        recipe, dgrad=False, wgrad=False, stochastic_rounding=False
-    )
 
 
 def _dot2_fwd(x2, w, words, recipe, static):

@@ -56,6 +56,7 @@ from jax_nvfp4.recipe.steps import (
     TokenAmaxes,
     quantize_tokens,
     quantize_weights,
+    undifferentiated,
 )
 
 __all__ = ["grouped_product"]
@@ -229,14 +230,8 @@ def _named(t, name):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _ragged(x, w, group_sizes, words, recipe, static):
-    # Not differentiated and the GEMMs read codes: FPROP's operands alone
-    # (the same output bytes). With decoded operands the whole forward pass,
-    # as the dense product's (recipe/dense.py, _undifferentiated).
-    if not static[2]:
-        recipe = dataclasses.replace(
-            recipe, dgrad=False, wgrad=False, stochastic_rounding=False
-        )
-    out, _ = _ragged_fwd(x, w, group_sizes, words, recipe, static)
+    forward = undifferentiated(recipe, decoded=static[2])
+    out, _ = _ragged_fwd(x, w, group_sizes, words, forward, static)
     return out
 
 

@@ -165,6 +165,21 @@ def quantize_tokens(
     return along_f, along_t
 
 
+def undifferentiated(recipe, decoded: bool):
+    """The recipe of a product that is not differentiated (the same output
+    bytes). Where the GEMM reads codes: FPROP's operands alone, x with the
+    plain amax (which XLA can compute in the fusion that produces x), no
+    transformed amax, no column-wise x, no DGRAD weight. Where it reads
+    decoded operands (Hopper): the whole forward pass, whose fused pass
+    writes x's decoded rows; counted in the compiled evaluation step, a
+    rows-only quantize and a decode pass move more bytes."""
+    if decoded:
+        return recipe
+    return dataclasses.replace(
+        recipe, dgrad=False, wgrad=False, stochastic_rounding=False
+    )
+
+
 def quantize_weights(w3, recipe: Recipe, *, k_last: bool = False):
     """w3 [E, K, N] (or [E, N, K] where ``k_last``), one amax per expert (a
     dense weight is one expert): (along K, for FPROP; along N, for DGRAD),
