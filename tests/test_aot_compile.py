@@ -84,3 +84,29 @@ def test_recipe_gemms_and_amax(h200):
     assert "jax_nvfp4_quantize_rows_cols" in evaluation
     assert "jax_nvfp4_amax" not in on_codes
     assert "jax_nvfp4_quantize_rows_cols" not in on_codes
+
+
+def test_quantize_dequantize_and_grouped_step(h200):
+    """quantize, dequantize, dot_general and ragged_dot's training step
+    compile for the H200 with its handlers."""
+    x = _abstract(h200, (64, 256))
+    round_trip = _targets(lambda x: nv.dequantize(nv.quantize(x, rht=True)), x)
+    assert "jax_nvfp4_quantize_rows" in round_trip
+    assert "jax_nvfp4_dequantize" in round_trip
+
+    key = jax.random.key(0)
+    dims = (((1,), (1,)), ((), ()))
+    w_nk = _abstract(h200, (128, 256))
+    general = _targets(lambda x, w: nv.dot_general(x, w, dims, key=key), x, w_nk)
+    assert bf16_gemm.GRAPH_TARGET in general
+
+    experts = _abstract(h200, (4, 256, 128))
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=h200)
+
+    def grouped_step(x, w, sizes):
+        loss = lambda x, w: jnp.sum(nv.ragged_dot(x, w, sizes, key=key))  # noqa: E731
+        return jax.value_and_grad(loss, (0, 1))(x, w)
+
+    with config.override(gemm_operands="decoded"):
+        grouped = _targets(grouped_step, x, experts, sizes)
+    assert "jax_nvfp4_grouped_gemm_sm90" in grouped
