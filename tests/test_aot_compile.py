@@ -57,6 +57,17 @@ def test_serving_matmul_takes_the_engine(h200):
     assert _targets(lambda x, w: nv.matmul(x, w), x, w) == [w4a16_gemm.ENGINE_TARGET]
 
 
+def test_serving_ragged_dot_takes_the_grouped_engine(h200):
+    experts = jax.vmap(nv.quantize)(
+        jnp.asarray(np.random.default_rng(1).normal(size=(4, 512, 1024)))
+    )
+    experts = jax.tree.map(lambda a: _abstract(h200, a.shape, a.dtype), experts)
+    x = _abstract(h200, (64, 1024))
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=h200)
+    targets = _targets(lambda x, w, s: nv.ragged_dot(x, w, s), x, experts, sizes)
+    assert targets == [w4a16_gemm.RAGGED_ENGINE_TARGET]
+
+
 def test_recipe_gemms_and_amax(h200):
     """The dense GEMM is cuBLASLt's on the decoded operands; the training
     step has the transformed amax, the evaluation step has none."""
