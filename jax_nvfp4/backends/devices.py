@@ -66,10 +66,14 @@ def _compiled_for(module_context) -> tuple[Any, ...]:
     """The GPUs a module is compiled for, where its context names them (the
     device assignment of jit, the mesh of shard_map); () otherwise."""
     axis_context = getattr(module_context, "axis_context", None)
-    assigned = getattr(axis_context, "device_assignment", None)
-    if assigned is None:
-        mesh_devices = getattr(getattr(axis_context, "mesh", None), "devices", None)
-        assigned = None if mesh_devices is None else list(mesh_devices.flat)
+    try:
+        assigned = getattr(axis_context, "device_assignment", None)
+        if assigned is None:
+            mesh = getattr(axis_context, "mesh", None)
+            mesh_devices = getattr(mesh, "devices", None)
+            assigned = None if mesh_devices is None else list(mesh_devices.flat)
+    except Exception:  # an abstract mesh, or a context of another JAX version
+        return ()
     if not assigned or any(getattr(d, "platform", None) != "gpu" for d in assigned):
         return ()
     return tuple(assigned)

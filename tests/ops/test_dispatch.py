@@ -92,6 +92,14 @@ def test_lowering_devices_are_those_compiled_for(monkeypatch):
     # jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))).
     assert lowered(_lowering_context(("cuda",), on_cpus)) == (blackwell,)
     assert lowered(_lowering_context(("cuda",), unnamed)) == (blackwell,)
+
+    class AbstractMesh:  # names no devices
+        @property
+        def devices(self):
+            raise ValueError("an abstract mesh has no devices")
+
+    abstract = types.SimpleNamespace(device_assignment=None, mesh=AbstractMesh())
+    assert lowered(_lowering_context(("cuda",), abstract)) == (blackwell,)
     assert lowered(_lowering_context(("cuda", "cpu"), assigned)) == ()
 
 
