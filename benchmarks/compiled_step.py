@@ -13,12 +13,16 @@ jax-cuda13-plugin jax-cuda13-pjrt`` at jax's version, and jax_nvfp4 built
 with its CUDA handlers, as ``pip install .`` does where nvcc is found).
 Every kernel of the compiled program is counted (hlo_bytes.py): per family,
 the kernels launched and the GiB read and written per step, then what each
-precision adds to bf16's step and what those bytes cost at --bandwidth.
+precision adds to bf16's step and what those bytes cost at --bandwidth; and
+the step's peak memory as XLA's buffer assignment puts it (arguments,
+outputs not aliased to them, the temporaries' peak).
 
 A count, not a measurement (hlo_bytes.py says what it leaves out). Compiled
 without a GPU: attention is XLA's (cuDNN picks its kernels on the GPU
 itself), so attention's rows are not the GPU's, the same in every precision;
-the GEMM operand form is set to "decoded", the choice an H200 makes.
+the GEMM operand form is set to "decoded", the choice an H200 makes. XLA's
+attention also keeps other residuals than cuDNN's, so the peaks are not the
+GPU's; their differences across precisions are the comparable part.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ def compile_devices():
     return topology.devices[:1], "ahead of time"
 
 
-def compiled_text(size, precision, remat, framework, device, evaluate) -> str:
+def compile_step(size, precision, remat, framework, device, evaluate):
+    """(HLO text, XLA's peak-memory estimate in GiB) of the compiled step."""
     step, state, tokens = model_step.build_step(
         size, precision, remat, framework, evaluate
     )
@@ -90,7 +95,22 @@ def compiled_text(size, precision, remat, framework, device, evaluate) -> str:
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
     lowered = step.lower(jax.tree.map(abstract, state), abstract(tokens))
-    return lowered.compile().as_text()
+    compiled = lowered.compile()
+    return compiled.as_text(), peak_gib(compiled.memory_analysis())
+
+
+def peak_gib(memory) -> float | None:
+    """XLA's buffer assignment: arguments, outputs not aliased to them, and
+    the temporaries' peak."""
+    if memory is None:
+        return None
+    live = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+    return live / 2**30
 
 
 def ledger(text: str) -> dict[str, dict[str, float]]:
@@ -105,27 +125,32 @@ def ledger(text: str) -> dict[str, dict[str, float]]:
 
 def print_table(size, results, bandwidth):
     precisions = list(results)
-    families = sorted(
-        {f for r in results.values() for f in r},
-        key=lambda f: -max(r.get(f, {"gib": 0})["gib"] for r in results.values()),
+    families = {p: results[p]["families"] for p in precisions}
+    names = sorted(
+        {f for r in families.values() for f in r},
+        key=lambda f: -max(r.get(f, {"gib": 0})["gib"] for r in families.values()),
     )
     print(f"\n{size}: kernels launched / GiB moved per step")
     print(f"{'family':18s}" + "".join(f"{p:>22s}" for p in precisions))
-    for name in families + ["total"]:
+    for name in names + ["total"]:
         cells = []
         for p in precisions:
-            rows = results[p].values() if name == "total" else [results[p].get(name)]
+            rows = families[p].values() if name == "total" else [families[p].get(name)]
             rows = [r for r in rows if r]
             n, gib = sum(r["kernels"] for r in rows), sum(r["gib"] for r in rows)
             cells.append(f"{n:9d} / {gib:9.2f}")
         print(f"{name:18s}" + "".join(f"{c:>22s}" for c in cells))
-    base = sum(r["gib"] for r in results["bf16"].values())
-    for p in precisions[1:]:
-        extra = sum(r["gib"] for r in results[p].values()) - base
+    peaks = [results[p]["peak_gib"] for p in precisions]
+    shown = ["n/a" if v is None else f"{v:.2f} GiB" for v in peaks]
+    print(f"{'peak memory':18s}" + "".join(f"{c:>22s}" for c in shown))
+    base = sum(r["gib"] for r in families["bf16"].values())
+    for p, peak in zip(precisions[1:], peaks[1:], strict=True):
+        extra = sum(r["gib"] for r in families[p].values()) - base
+        memory = f"; peak memory {peak / peaks[0]:.2f}x" if peak and peaks[0] else ""
         print(
             f"{p}: {extra:+.2f} GiB per step against bf16, "
             f"{extra * 2**30 / (bandwidth * 1e12) * 1e3:+.2f} ms at "
-            f"{bandwidth:g} TB/s"
+            f"{bandwidth:g} TB/s{memory}"
         )
 
 
@@ -159,7 +184,7 @@ def main(argv=None):
         results = {}
         for precision in precisions:
             with config.override(**settings):
-                text = compiled_text(
+                text, peak = compile_step(
                     size, precision, args.remat, args.framework, devices[0], args.eval
                 )
             if args.hlo_dir:
@@ -168,7 +193,7 @@ def main(argv=None):
                 name = f"{size}-{precision}-{args.framework}-{kind}.hlo"
                 with open(os.path.join(args.hlo_dir, name), "w") as f:
                     f.write(text)
-            results[precision] = ledger(text)
+            results[precision] = {"families": ledger(text), "peak_gib": peak}
         print_table(size, results, args.bandwidth)
         everything[size] = results
     if args.out:

@@ -25,8 +25,15 @@ _DTYPE_BYTES = {
     "u4": 0.5,
     "s8": 1,
     "u8": 1,
+    "s2": 0.25,
+    "u2": 0.25,
     "f8e4m3fn": 1,
+    "f8e4m3": 1,
+    "f8e4m3fnuz": 1,
+    "f8e4m3b11fnuz": 1,
     "f8e5m2": 1,
+    "f8e5m2fnuz": 1,
+    "f8e3m4": 1,
     "f8e8m0fnu": 1,
     "f4e2m1fn": 0.5,
     "bf16": 2,
@@ -39,9 +46,13 @@ _DTYPE_BYTES = {
     "f64": 8,
     "s64": 8,
     "u64": 8,
+    "c64": 8,
+    "c128": 16,
+    "token": 0,
 }
-_ARRAY = re.compile(r"\b([a-z0-9]+)\[([0-9,]*)\]")
+_ARRAY = re.compile(r"\b([a-z0-9]+)\[([0-9,<=]*)\]")  # "<=8": a bounded dim
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9-]*)\((.*?)\)(.*)$")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) ")
 # Ops that move no data of their own.
 _FREE = {
@@ -60,10 +71,13 @@ _FREE = {
 
 def shape_bytes(shape: str) -> float:
     """Bytes of an HLO shape (a tuple's elements summed)."""
-    return sum(
-        _DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
-        for dtype, dims in _ARRAY.findall(shape)
-    )
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"unknown HLO element type {dtype!r}: add its size")
+        sizes = (int(d.lstrip("<=")) for d in dims.split(",") if d)
+        total += _DTYPE_BYTES[dtype] * math.prod(sizes)
+    return total
 
 
 @dataclasses.dataclass
@@ -154,9 +168,23 @@ def _fused_bytes(fusion: Instruction, shapes: dict, computations) -> float:
             total += full
         elif param.name not in updated:
             uses = users.get(param.name, [])
-            sliced = uses and all(u.op in ("dynamic-slice", "slice") for u in uses)
+            sliced = uses and all(
+                u.op in ("dynamic-slice", "slice") and u.operands[0] == param.name
+                for u in uses
+            )  # (an index into a slice is read whole: a scalar)
             total += sum(shape_bytes(u.shape) for u in uses) if sliced else full
     return total
+
+
+def _result_bytes(ins: Instruction) -> float:
+    """What an op writes. A custom call's last result that is a 1-D byte
+    array is a GEMM's scratch workspace (cuBLAS's, cuBLASLt's), not traffic."""
+    arrays = _ARRAY.findall(ins.shape)
+    if ins.op == "custom-call" and len(arrays) > 1:
+        dtype, dims = arrays[-1]
+        if dtype in ("u8", "s8") and "," not in dims:
+            arrays = arrays[:-1]
+    return sum(shape_bytes(f"{dtype}[{dims}]") for dtype, dims in arrays)
 
 
 def kernels(text: str) -> list[Kernel]:
@@ -172,22 +200,24 @@ def kernels(text: str) -> list[Kernel]:
             if ins.op in _FREE:
                 continue
             if ins.op == "while":
-                count = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attributes)
-                walk(
-                    _called(ins, "body"), trips * (int(count.group(1)) if count else 1)
-                )
+                count = _TRIPS.search(ins.attributes)
+                each = int(count.group(1)) if count else 1
+                walk(_called(ins, "body"), trips * each)
                 continue
             if ins.op in ("call", "conditional", "async-start"):
-                for callee in re.findall(r"=%([\w.\-]+)", ins.attributes):
+                # Every branch of a conditional is counted: an upper bound.
+                for callee in re.findall(r"%([\w.\-]+)", ins.attributes):
                     if callee in computations and callee != name:
                         walk(callee, trips)
                 continue
+            if ins.op.endswith("-done") or ins.op.endswith("-update"):
+                continue  # counted at its start
             if ins.op == "fusion":
                 moved = _fused_bytes(ins, shapes, computations)
                 kind = re.search(r"kind=(\w+)", ins.attributes)
                 target = kind.group(1) if kind else "fusion"
             else:
-                moved = shape_bytes(ins.shape) + sum(
+                moved = _result_bytes(ins) + sum(
                     shape_bytes(shapes.get(o, "")) for o in ins.operands
                 )
                 call = re.search(r'custom_call_target="([^"]+)"', ins.attributes)

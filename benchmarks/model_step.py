@@ -203,9 +203,9 @@ def time_configs(
     return dict(times)
 
 
-def peak_memory(size, precision, remat, framework) -> float | None:
+def peak_memory(size, precision, remat, framework, evaluate=False) -> float | None:
     """Peak device memory (GiB) of a few steps of one configuration."""
-    step, state, tokens = build_step(size, precision, remat, framework)
+    step, state, tokens = build_step(size, precision, remat, framework, evaluate)
     run_steps(step, state, tokens, 3)
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
@@ -310,7 +310,7 @@ def main(argv=None):
 
     if args.only:  # a child of --memory: one configuration, one line of JSON
         framework, size, precision = args.only.split(":")
-        peak = peak_memory(size, precision, args.remat, framework)
+        peak = peak_memory(size, precision, args.remat, framework, args.eval)
         print(json.dumps({"peak_gib": peak}))
         return
 
@@ -342,7 +342,8 @@ def _memory(args, framework, size, precisions):
     for precision in precisions:
         child = subprocess.run(
             [sys.executable, __file__, "--only", f"{framework}:{size}:{precision}"]
-            + ["--remat", args.remat],
+            + ["--remat", args.remat]
+            + (["--eval"] if args.eval else []),
             capture_output=True,
             text=True,
             check=False,

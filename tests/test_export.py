@@ -8,12 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gemm_cases import fake_device
 from jax import export
 
 import jax_nvfp4 as nv
 from jax_nvfp4.backends import (
     bf16_gemm,
     bf16_grouped_gemm,
+    devices,
     fp4_gemm,
     fp4_grouped_gemm,
     library,
@@ -95,3 +97,31 @@ def test_symbolic_token_dimension(tokens):
             np.testing.assert_array_equal(
                 np.asarray(g, np.float32), np.asarray(r, np.float32)
             )
+
+
+def test_multi_platform_export_keeps_the_portable_gemms(monkeypatch):
+    """Exported for CUDA and the CPU at once, the GEMMs are the portable ones
+    (XLA's dot on the decoded operands), even where this process has a
+    Hopper GPU: the module must run on either platform."""
+    monkeypatch.setattr(devices, "cuda_devices", lambda: (fake_device("gpu", "9.0"),))
+    x, w, key = _args()
+    w4 = nv.quantize(w.T)
+
+    def serve_and_train(x, w, w4, key):
+        return nv.matmul(x, w4), _step(x, w, key)
+
+    exported = export.export(
+        jax.jit(serve_and_train),
+        platforms=("cuda", "cpu"),
+        disabled_checks=nv.export_safety_checks(),
+    )(x, w, w4, key)
+    text = exported.mlir_module()
+    gemm_targets = {
+        bf16_gemm.TARGET,
+        bf16_gemm.GRAPH_TARGET,
+        fp4_gemm.TARGET,
+        w4a16_gemm.TARGET,
+        w4a16_gemm.ENGINE_TARGET,
+    }
+    assert not [t for t in gemm_targets if t in text]
+    assert "jax_nvfp4_quantize" in text  # the quantize handlers of both platforms

@@ -397,7 +397,8 @@ def test_moe_training_loss_falls():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def test_undifferentiated_forward_quantizes_fprop_operands_alone():
+@pytest.mark.parametrize("recipe", [nv.NVFP4, nv.Recipe(fprop=False)], ids=str)
+def test_undifferentiated_forward_quantizes_fprop_operands_alone(recipe):
     """Without differentiation, where the GEMMs read codes, only FPROP's
     operands are quantized (no transformed amax, no column-wise x, no DGRAD
     weights); the output bytes are those of the differentiated forward
@@ -408,7 +409,7 @@ def test_undifferentiated_forward_quantizes_fprop_operands_alone():
     key = jax.random.key(8)
 
     def forward(x, w):
-        return nv.ragged_dot(x, w, sizes, key=key)
+        return nv.ragged_dot(x, w, sizes, key=key, recipe=recipe)
 
     with config.override(gemm_operands="codes"):
         alone = jax.jit(forward)(x, w)

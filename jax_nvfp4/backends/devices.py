@@ -92,7 +92,9 @@ def lowering_devices(target: Any = None) -> tuple[Any, ...]:
     if target is None:
         return cuda_devices()
     if hasattr(target, "module_context"):  # mlir.LoweringRuleContext
-        platforms = tuple(target.platforms or target.module_context.platforms)
+        # The module's platforms: a multi-platform lowering calls the CUDA
+        # rule with the context's own platforms narrowed to ("cuda",).
+        platforms = tuple(target.module_context.platforms or target.platforms or ())
         if platforms != ("cuda",):
             return ()
         return _compiled_for(target.module_context) or cuda_devices()

@@ -175,8 +175,10 @@ def undifferentiated(recipe, decoded: bool):
     rows-only quantize and a decode pass move more bytes."""
     if decoded:
         return recipe
+    # rht only shapes the column-wise copies: off with them (and a recipe
+    # left with no NVFP4 GEMM must not name it).
     return dataclasses.replace(
-        recipe, dgrad=False, wgrad=False, stochastic_rounding=False
+        recipe, dgrad=False, wgrad=False, rht=False, stochastic_rounding=False
     )
 
 

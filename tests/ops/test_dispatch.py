@@ -70,8 +70,10 @@ def test_gemm_path_defaults_to_the_cuda_backend(monkeypatch):
 
 
 def _lowering_context(platforms, axis_context):
+    """As JAX builds it: a multi-platform module's CUDA rule sees its own
+    platforms narrowed to ("cuda",), the module's as they are."""
     module = types.SimpleNamespace(platforms=platforms, axis_context=axis_context)
-    return types.SimpleNamespace(platforms=None, module_context=module)
+    return types.SimpleNamespace(platforms=["cuda"], module_context=module)
 
 
 def test_lowering_devices_are_those_compiled_for(monkeypatch):
