@@ -94,7 +94,8 @@ def lowering_devices(target: Any = None) -> tuple[Any, ...]:
     if hasattr(target, "module_context"):  # mlir.LoweringRuleContext
         # The module's platforms: a multi-platform lowering calls the CUDA
         # rule with the context's own platforms narrowed to ("cuda",).
-        platforms = tuple(target.module_context.platforms or target.platforms or ())
+        module_platforms = getattr(target.module_context, "platforms", None)
+        platforms = tuple(module_platforms or target.platforms or ())
         if platforms != ("cuda",):
             return ()
         return _compiled_for(target.module_context) or cuda_devices()
