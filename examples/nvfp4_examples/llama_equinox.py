@@ -362,6 +362,7 @@ def build(args: argparse.Namespace):
             args.layers,
             recipe=recipe,
             keep_last=args.keep_last - tail,
+            nvfp4_patterns=train_common.NVFP4_LAYERS[args.nvfp4_layers],
             bf16_patterns=("tail.*", "*router*"),
         )
         model = nveqx.convert(model, policy)

@@ -331,6 +331,7 @@ def build(args: argparse.Namespace) -> tuple[Llama, str]:
         args.layers,
         recipe=recipe,
         keep_last=args.keep_last - _tail(args),
+        nvfp4_patterns=train_common.NVFP4_LAYERS[args.nvfp4_layers],
         bf16_patterns=("tail.*", "*router*"),
     )
     convert(model, policy, nnx.Rngs(nvfp4=args.seed + 1))

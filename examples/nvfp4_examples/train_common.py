@@ -27,6 +27,7 @@ import numpy as np
 import jax_nvfp4 as nv
 
 __all__ = [
+    "NVFP4_LAYERS",
     "PRECISIONS",
     "add_common_flags",
     "batches",
@@ -46,6 +47,13 @@ PRECISIONS: dict[str, nv.Recipe | None] = {
     "nvfp4": nv.NVFP4,
     "nvfp4_no_rht": nv.NVFP4_NO_RHT,
     "nvfp4_no_sr": nv.NVFP4_NO_SR,
+}
+
+# --nvfp4-layers name -> the policy's NVFP4 path patterns in the examples'
+# models (their blocks name the MLP or mixture "mlp", attention "attn").
+NVFP4_LAYERS: dict[str, tuple[str, ...]] = {
+    "mlp": ("*mlp*",),
+    "mlp+attn": ("*mlp*", "*attn*"),
 }
 
 # Columns of the per-run CSV (one row per logged step).
@@ -76,6 +84,13 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         help="bf16 everywhere, or the NVFP4 recipe (full, without the Random "
         "Hadamard Transform, or without stochastic rounding) on the layers the "
         "policy selects",
+    )
+    parser.add_argument(
+        "--nvfp4-layers",
+        choices=sorted(NVFP4_LAYERS),
+        default="mlp",
+        help="the linears the policy puts in NVFP4: the MLPs' (the recipe's "
+        "choice; experts' projections too), or the attention projections' too",
     )
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")

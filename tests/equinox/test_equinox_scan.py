@@ -373,3 +373,29 @@ def test_llama_equinox_bf16_tail_stack_needs_no_switch():
     found = _primitives(loss, model)
     assert "cond" not in found and "scan" in found
     assert found["nvfp4_matmul"]
+
+
+@pytest.mark.parametrize(
+    "layers, attention_in_nvfp4", [("mlp", False), ("mlp+attn", True)]
+)
+def test_llama_equinox_nvfp4_layers_flag(layers, attention_in_nvfp4):
+    """--nvfp4-layers: the MLPs alone (the recipe's choice), or the attention
+    projections too (benchmarks/convergence.py's nvfp4_attn run)."""
+    import argparse
+
+    from nvfp4_examples import train_common
+
+    example = _example()
+    parser = argparse.ArgumentParser()
+    train_common.add_common_flags(parser)
+    parser.add_argument("--attention", default="xla")
+    parser.add_argument("--remat", default="fp4")
+    args = parser.parse_args(
+        ["--layers", "2", "--d-model", "32", "--heads", "2", "--ffn", "64"]
+        + ["--nvfp4-layers", layers]
+    )
+    model = example.build(args)[0]
+    assert isinstance(model.layers.mlp.up_proj, nveqx.Linear)
+    converted = isinstance(model.layers.attn.q_proj, nveqx.Linear)
+    assert converted == attention_in_nvfp4
+    assert type(model.tail.attn.q_proj) is eqx.nn.Linear  # the bf16 tail
