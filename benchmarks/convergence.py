@@ -5,6 +5,7 @@
     python benchmarks/convergence.py --size 125m            # every run, 128M
     python benchmarks/convergence.py --runs bf16,nvfp4 --steps 1000 \
         -- --experts 8 --top-k 2                            # the MoE model
+    python benchmarks/convergence.py --size 125m --parallel 5   # at once
     python benchmarks/convergence.py --summary-only         # table and plot again
 
 The run: examples/llama_equinox.py, a byte-level Llama-style decoder (--size
@@ -67,29 +68,49 @@ SIZES = {
 }  # fmt: skip
 
 
-def train(run: str, args) -> bool:
-    """One training run of examples/llama_equinox.py; its output is printed
-    and kept in <out>/<run>.log. True if it succeeded."""
-    command = [
+def _command(run: str, args) -> list[str]:
+    return [
         sys.executable,
         os.path.join(ROOT, "examples", "llama_equinox.py"),
         *RUNS[run], "--label", run,
         "--steps", str(args.steps), "--data", args.data, "--out", args.out,
         *RUN_FLAGS, *SIZES[args.size], *args.extra,
     ]  # fmt: skip
-    start = time.time()
-    with open(os.path.join(args.out, f"{run}.log"), "w") as log:
-        proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
-        ok = proc.wait() == 0
-        line = f"{run}: {'ok' if ok else 'FAILED'}, {time.time() - start:.0f} s"
-        print(line)
-        log.write(line + "\n")
-    return ok
+
+
+def train(runs: list[str], args) -> int:
+    """The training runs of examples/llama_equinox.py, --parallel at a time
+    on the one device (small models leave a GPU idle between kernels), each
+    run's output kept in <out>/<run>.log (printed too when runs go one at a
+    time). The number of runs that failed."""
+    pending, running, failed = list(runs), {}, 0
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            run = pending.pop(0)
+            log = open(os.path.join(args.out, f"{run}.log"), "w")  # noqa: SIM115
+            out = subprocess.PIPE if args.parallel == 1 else log
+            proc = subprocess.Popen(
+                _command(run, args), stdout=out, stderr=subprocess.STDOUT, text=True
+            )
+            running[run] = (proc, log, time.time())
+            print(f"{run}: started")
+        for run, (proc, log, start) in list(running.items()):
+            if args.parallel == 1:
+                for line in proc.stdout:
+                    sys.stdout.write(line)
+                    log.write(line)
+            if proc.poll() is None and args.parallel > 1:
+                continue
+            ok = proc.wait() == 0
+            line = f"{run}: {'ok' if ok else 'FAILED'}, {time.time() - start:.0f} s"
+            print(line)
+            log.write(line + "\n")
+            log.close()
+            failed += not ok
+            del running[run]
+        if running and args.parallel > 1:
+            time.sleep(1.0)
+    return failed
 
 
 def _finite(rows) -> bool:
@@ -193,6 +214,13 @@ def main(argv=None) -> int:
         help=f"comma-separated subset of {', '.join(RUNS)}",
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="57m")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="runs training at once on the one device (their step times then "
+        "are not comparable)",
+    )
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--data", default=".data/corpus.bin")
     parser.add_argument("--out", default="runs/convergence", help="results folder")
@@ -216,12 +244,13 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
             return 1
+        if args.parallel < 1:
+            parser.error(f"--parallel must be at least 1, got {args.parallel}")
         runs = args.runs.split(",")
         for run in runs:
             if run not in RUNS:
                 parser.error(f"unknown run {run!r}; choose from {', '.join(RUNS)}")
-        for run in runs:
-            status |= 0 if train(run, args) else 1
+        status |= 1 if train(runs, args) else 0
     return report(args.out, args.last) or status
 
 
