@@ -34,6 +34,7 @@ alpha is applied once after the ``psum``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -308,7 +309,7 @@ def _cuda(form: str) -> primitive.ChosenAtLowering:
         path = dispatch.grouped_path(
             ctx, decoded=_decoded(a, b), groups=sizes.shape[0], n=b.shape[1]
         )
-        return _BODIES[form][path]
+        return functools.partial(_BODIES[form][path], **params)
 
     return primitive.ChosenAtLowering(choose)
 

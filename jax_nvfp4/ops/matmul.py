@@ -85,8 +85,8 @@ def _batch(args, dims, *, dtype):
 def _choose_cuda(ctx, *, dtype):
     """The CUDA lowering body: the dispatcher's GEMM for the devices the
     computation is compiled for."""
-    del dtype  # the body's param
-    return functools.partial(dispatch.matmul_cuda, path=dispatch.dense_path(ctx))
+    path = dispatch.dense_path(ctx)
+    return functools.partial(dispatch.matmul_cuda, dtype=dtype, path=path)
 
 
 matmul_p = primitive.define(

@@ -128,8 +128,9 @@ class ChosenAtLowering:
     """A platform lowering whose pure-JAX body depends on what the
     computation is lowered for: ``choose(ctx, **params)`` (the lowering
     rule's context, whose ``avals_in`` give the operand shapes, and the
-    primitive's params) returns the body, e.g. the GEMM the dispatcher picks
-    for those devices and shapes."""
+    primitive's params) returns the body, a function of the operands alone
+    with the params it needs bound, e.g. the GEMM the dispatcher picks for
+    those devices and shapes."""
 
     choose: Callable
 
@@ -139,7 +140,7 @@ def _platform_rule(fn, multiple):
 
         def rule(ctx, *args, **params):
             body = mlir.lower_fun(fn.choose(ctx, **params), multiple_results=multiple)
-            return body(ctx, *args, **params)
+            return body(ctx, *args)
 
         return rule
     return mlir.lower_fun(fn, multiple_results=multiple)

@@ -20,6 +20,8 @@ and the groups stay whole (a shard of rows would need its own sizes).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,17 +85,10 @@ def _twin(x, codes, scales, amax, group_sizes, *, dtype, path):
 def _choose_cuda(ctx, *, dtype, path):
     """The CUDA lowering body: the GEMM of ``path``, or the dispatcher's for
     these shapes and the devices lowered for."""
-    del dtype  # the body's param
     (_, k), (_, n, _) = ctx.avals_in[0].shape, ctx.avals_in[1].shape
-    chosen = dispatch.ragged_w4a16_path(k, n, ctx) if path == "auto" else path
-
-    def body(x, codes, scales, amax, group_sizes, *, dtype, path):
-        del path  # chosen above
-        return dispatch.ragged_w4a16_cuda(
-            x, codes, scales, amax, group_sizes, dtype=dtype, path=chosen
-        )
-
-    return body
+    if path == "auto":
+        path = dispatch.ragged_w4a16_path(k, n, ctx)
+    return functools.partial(dispatch.ragged_w4a16_cuda, dtype=dtype, path=path)
 
 
 ragged_w4a16_matmul_p = primitive.define(

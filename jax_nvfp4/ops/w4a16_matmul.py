@@ -19,6 +19,8 @@ summed across shards in float32 and rounded once.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,18 +95,11 @@ def _twin(x, codes, scales, amax, *, dtype, path):
 def _choose_cuda(ctx, *, dtype, path):
     """The CUDA lowering body: the GEMM of ``path``, or the dispatcher's for
     these shapes and the devices lowered for."""
-    del dtype  # the body's param
     (batch, m, k), (weights, n, _) = ctx.avals_in[0].shape, ctx.avals_in[1].shape
     if path == "auto":
         rows = batch * m if weights == 1 else m
         path = dispatch.w4a16_path(rows, k, n, ctx, weights=weights)
-    chosen = path
-
-    def body(x, codes, scales, amax, *, dtype, path):
-        del path  # chosen above
-        return dispatch.w4a16_cuda(x, codes, scales, amax, dtype=dtype, path=chosen)
-
-    return body
+    return functools.partial(dispatch.w4a16_cuda, dtype=dtype, path=path)
 
 
 w4a16_matmul_p = primitive.define(
