@@ -18,7 +18,10 @@ MLP linears of all blocks but the last in NVFP4
 (jax_nvfp4.policy.transformer_policy); the rest stays bf16. Runs (--runs):
 bf16; nvfp4 (RHT, stochastic rounding, 2D weights); nvfp4_attn (the
 attention projections in NVFP4 too); nvfp4_no_rht and nvfp4_no_sr (the
-recipe without one of its parts). Sized for one GPU (a few minutes per run
+recipe without one of its parts). On demand, the runs that find why a
+bound fails: nvfp4_1d_weights (1x16 weight blocks), nvfp4_bf16_fprop,
+nvfp4_bf16_dgrad and nvfp4_bf16_wgrad (that GEMM in bf16, the others in
+NVFP4). Sized for one GPU (a few minutes per run
 on an H200); --steps and the model flags after "--" shrink it.
 
 Each run writes <out>/<run>.csv and .log. Then the summary: a Markdown
@@ -51,9 +54,26 @@ RUNS = {
     "nvfp4_attn": ["--precision", "nvfp4", "--nvfp4-layers", "mlp+attn"],
     "nvfp4_no_rht": ["--precision", "nvfp4_no_rht"],
     "nvfp4_no_sr": ["--precision", "nvfp4_no_sr"],
+    "nvfp4_1d_weights": ["--precision", "nvfp4_1d_weights"],
+    "nvfp4_bf16_fprop": ["--precision", "nvfp4_bf16_fprop"],
+    "nvfp4_bf16_dgrad": ["--precision", "nvfp4_bf16_dgrad"],
+    "nvfp4_bf16_wgrad": ["--precision", "nvfp4_bf16_wgrad"],
 }
+# The runs without --runs. The others find why a bound fails: 1x16 weight
+# blocks (the recipe's third part), and each GEMM kept in bf16 in turn.
+DEFAULT_RUNS = ("bf16", "nvfp4", "nvfp4_attn", "nvfp4_no_rht", "nvfp4_no_sr")
 # Held-out loss within this fraction of bf16's.
 BOUNDS = {"nvfp4": 0.01, "nvfp4_attn": 0.015}
+# Each compared with the full recipe (nvfp4): a part of the recipe left out,
+# or one GEMM's quantization left out.
+ABLATIONS = {
+    "nvfp4_no_rht": "without the RHT",
+    "nvfp4_no_sr": "without stochastic rounding",
+    "nvfp4_1d_weights": "with 1x16 weight blocks",
+    "nvfp4_bf16_fprop": "with FPROP in bf16",
+    "nvfp4_bf16_dgrad": "with DGRAD in bf16",
+    "nvfp4_bf16_wgrad": "with WGRAD in bf16",
+}
 
 RUN_FLAGS = [
     "--batch", "64", "--seq-len", "256", "--heads", "12", "--keep-last", "1",
@@ -173,14 +193,15 @@ def verdicts(runs: list[dict]) -> list[str]:
             f"(bound: within {100 * bound:.1f}%): {'met' if ok else 'NOT met'}"
         )
     full = by_name.get("nvfp4")
-    for name in ("nvfp4_no_rht", "nvfp4_no_sr"):
+    for name, what in ABLATIONS.items():
         r = by_name.get(name)
         if r is None or full is None:
             continue
         gap = r["eval_loss"] / full["eval_loss"] - 1.0
         worse = "worse than" if gap > 0 else "not worse than"
         lines.append(
-            f"{name} vs nvfp4 held-out loss: {100 * gap:+.2f}%: {worse} the full recipe"
+            f"{name} ({what}) vs nvfp4 held-out loss: {100 * gap:+.2f}%: "
+            f"{worse} the full recipe"
         )
     return lines
 
@@ -210,8 +231,9 @@ def main(argv=None) -> int:
     parser = argument_parser(__doc__)
     parser.add_argument(
         "--runs",
-        default=",".join(RUNS),
-        help=f"comma-separated subset of {', '.join(RUNS)}",
+        default=",".join(DEFAULT_RUNS),
+        help=f"comma-separated subset of {', '.join(RUNS)} (default: "
+        f"{', '.join(DEFAULT_RUNS)})",
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="57m")
     parser.add_argument(

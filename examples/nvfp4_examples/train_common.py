@@ -41,12 +41,18 @@ __all__ = [
 ]
 
 # --precision name -> the recipe of the layers the policy puts in NVFP4 (None:
-# every layer in bf16).
+# every layer in bf16). Past the presets, the ablations that find which part of
+# the recipe, or which GEMM's quantization, moves the loss: 1x16 weight blocks
+# instead of 16x16, and one GEMM at a time kept in bf16.
 PRECISIONS: dict[str, nv.Recipe | None] = {
     "bf16": None,
     "nvfp4": nv.NVFP4,
     "nvfp4_no_rht": nv.NVFP4_NO_RHT,
     "nvfp4_no_sr": nv.NVFP4_NO_SR,
+    "nvfp4_1d_weights": nv.Recipe(weight_2d=False),
+    "nvfp4_bf16_fprop": nv.Recipe(fprop=False),
+    "nvfp4_bf16_dgrad": nv.Recipe(dgrad=False),
+    "nvfp4_bf16_wgrad": nv.Recipe(wgrad=False),
 }
 
 # --nvfp4-layers name -> the policy's NVFP4 path patterns in the examples'
@@ -81,9 +87,10 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--precision",
         choices=sorted(PRECISIONS),
         default="nvfp4",
-        help="bf16 everywhere, or the NVFP4 recipe (full, without the Random "
-        "Hadamard Transform, or without stochastic rounding) on the layers the "
-        "policy selects",
+        help="bf16 everywhere, or the NVFP4 recipe on the layers the policy "
+        "selects: full, without the Random Hadamard Transform, without "
+        "stochastic rounding, with 1x16 weight blocks, or with one GEMM "
+        "(FPROP, DGRAD or WGRAD) kept in bf16",
     )
     parser.add_argument(
         "--nvfp4-layers",

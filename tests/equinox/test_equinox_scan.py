@@ -399,3 +399,46 @@ def test_llama_equinox_nvfp4_layers_flag(layers, attention_in_nvfp4):
     converted = isinstance(model.layers.attn.q_proj, nveqx.Linear)
     assert converted == attention_in_nvfp4
     assert type(model.tail.attn.q_proj) is eqx.nn.Linear  # the bf16 tail
+
+
+@pytest.mark.parametrize(
+    "precision",
+    ["nvfp4_1d_weights", "nvfp4_bf16_fprop", "nvfp4_bf16_dgrad", "nvfp4_bf16_wgrad"],
+)
+def test_llama_equinox_ablation_precisions(precision):
+    """--precision's ablations (benchmarks/convergence.py's runs that find why
+    a bound fails): the converted layers carry that recipe, and the gradient
+    runs one NVFP4 GEMM fewer per layer where a GEMM is kept in bf16."""
+    import argparse
+
+    from nvfp4_examples import train_common
+
+    example = _example()
+
+    def built(name):
+        parser = argparse.ArgumentParser()
+        train_common.add_common_flags(parser)
+        parser.add_argument("--attention", default="xla")
+        parser.add_argument("--remat", default="none")
+        args = parser.parse_args(
+            ["--layers", "2", "--d-model", "32", "--heads", "2", "--ffn", "64"]
+            + ["--precision", name]
+        )
+        return example.build(args)[0]
+
+    model = built(precision)
+    assert model.layers.mlp.up_proj.recipe == train_common.PRECISIONS[precision]
+    batch = jnp.arange(2 * 17, dtype=jnp.int32).reshape(2, 17) % 256
+
+    def gemms(m):
+        grad = eqx.filter_grad(
+            lambda m: example.loss_fn(example.to_bf16(m), batch, KEY)
+        )
+        return len(_primitives(grad, m).get("nvfp4_matmul", [])), grad(m)
+
+    count, grads = gemms(model)
+    full_count, _ = gemms(built("nvfp4"))
+    kept_in_bf16 = precision.startswith("nvfp4_bf16_")
+    assert count == (2 * full_count // 3 if kept_in_bf16 else full_count)
+    for leaf in jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array)):
+        assert bool(jnp.all(jnp.isfinite(leaf)))
