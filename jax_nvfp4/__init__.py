@@ -9,7 +9,7 @@ stochastic rounding. The work is done by XLA FFI custom calls on CPU and CUDA;
 selection by ``jax_nvfp4.policy``.
 """
 
-from jax_nvfp4 import checkpoint, config, policy, reference
+from jax_nvfp4 import checkpoint, config, policy, reference, statistics
 from jax_nvfp4.dot import dot, dot_general
 from jax_nvfp4.format import (
     BLOCK_SIZE,
@@ -32,6 +32,7 @@ from jax_nvfp4.quantize import (
     quantize_rowwise_and_columnwise,
 )
 from jax_nvfp4.ragged_dot import ragged_dot
+from jax_nvfp4.statistics import quantization_stats
 from jax_nvfp4.recipe import (
     BF16,
     NVFP4,
@@ -75,8 +76,10 @@ __all__ = [
     "matmul",
     "quantize",
     "quantize_rowwise_and_columnwise",
+    "quantization_stats",
     "checkpoint",
     "config",
     "policy",
     "reference",
+    "statistics",
 ]

@@ -36,6 +36,7 @@ MODULES = {
     "jax_nvfp4.checkpoint": None,
     "jax_nvfp4.hf_names": None,
     "jax_nvfp4.config": None,
+    "jax_nvfp4.statistics": None,
     "jax_nvfp4.flax": "flax",
     "jax_nvfp4.equinox": "equinox",
     "jax_nvfp4.qwix": "qwix",
@@ -111,7 +112,9 @@ def _documented_parameters(text: str) -> tuple[list[str], bool]:
         if part == "...":
             ellipsis = True
             continue
-        names.append(re.split(r"[=:]", part, maxsplit=1)[0].strip().lstrip("*"))
+        if part.startswith("*"):  # *args, **kwargs: the code's are left out too
+            continue
+        names.append(re.split(r"[=:]", part, maxsplit=1)[0].strip())
     return names, ellipsis
 
 
