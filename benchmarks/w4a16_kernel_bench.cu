@@ -1,4 +1,4 @@
-// The W4A16 kernel alone (ffi/gemm/weight_only_kernel.cuh), in the
+// The W4A16 kernel alone (ffi/gemm/mma/w4a16_kernel.cuh), in the
 // configuration the handler's plan picks, against cuBLAS's bf16 GEMM of the
 // same shape: no JAX, no XLA, so the kernel's own time.
 //
@@ -23,8 +23,8 @@
 #include <utility>
 #include <vector>
 
-#include "gemm/weight_only_gemm_plan.h"
-#include "gemm/weight_only_kernel.cuh"
+#include "gemm/mma/w4a16_gemm_plan.h"
+#include "gemm/mma/w4a16_kernel.cuh"
 
 using namespace jax_nvfp4;
 

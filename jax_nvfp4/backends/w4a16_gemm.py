@@ -58,10 +58,9 @@ ENGINE_TARGET = "jax_nvfp4_matmul_w4a16_sm90"
 # The grouped form (ragged_dot by NVFP4 experts) of the engine's kernel.
 RAGGED_ENGINE_TARGET = "jax_nvfp4_ragged_w4a16_sm90"
 ENGINE_K_MULTIPLE = 256  # TMA reads a weight row's scales 16 bytes at a time
-# Rows of x the engine serves (benchmarks/serving_bench.py): from 17 rows it
-# is the faster of the two register-decoding kernels (at 16 and fewer the
-# mma.sync handler is as fast); past a few hundred rows the GEMM is
-# compute-bound and cuBLASLt on the decoded weight is faster.
+# Rows of x the engine serves (benchmarks/serving_bench.py): up to these it is
+# the faster of the two register-decoding kernels; past a few hundred rows
+# the GEMM is compute-bound and cuBLASLt on the decoded weight is faster.
 MAX_ENGINE_ROWS = 512
 # Rows of x up to which the handler runs (benchmarks/serving_bench.py): its
 # tiles hold at most 64 rows; past that the GEMM is compute-bound and the
