@@ -24,10 +24,12 @@ nvfp4_bf16_dgrad and nvfp4_bf16_wgrad (that GEMM in bf16, the others in
 NVFP4). Sized for one GPU (a few minutes per run
 on an H200); --steps and the model flags after "--" shrink it.
 
-Each run writes <out>/<run>.csv and .log. Then the summary: a Markdown
-table (final training and held-out loss averaged over the last --last steps,
-their difference from bf16, NaN/Inf, step time, TFLOP/s and tokens/s per
-device) printed and written to <out>/summary.md, the numbers to
+Each run writes <out>/<run>.csv and .log (with --operand-stats, each NVFP4
+run also measures every operand the recipe quantizes, per layer, on a
+held-out batch with its final weights: <out>/<run>_operands.json). Then
+the summary: a Markdown table (final training and held-out loss averaged
+over the last --last steps, their difference from bf16, NaN/Inf, step time,
+TFLOP/s and tokens/s per device) printed and written to <out>/summary.md, the numbers to
 <out>/summary.json, and the loss curves to <out>/loss.png (needs matplotlib).
 The bounds checked, on the held-out loss against bf16's: nvfp4 within 1%,
 nvfp4_attn within 1.5%; each ablation is compared with nvfp4.
@@ -88,13 +90,20 @@ SIZES = {
 }  # fmt: skip
 
 
+def _operands_path(directory: str, run: str) -> str:
+    return os.path.join(directory, f"{run}_operands.json")
+
+
 def _command(run: str, args) -> list[str]:
+    operands = []
+    if args.operand_stats and run != "bf16":
+        operands = ["--operand-stats", _operands_path(args.out, run)]
     return [
         sys.executable,
         os.path.join(ROOT, "examples", "llama_equinox.py"),
         *RUNS[run], "--label", run,
         "--steps", str(args.steps), "--data", args.data, "--out", args.out,
-        *RUN_FLAGS, *SIZES[args.size], *args.extra,
+        *RUN_FLAGS, *SIZES[args.size], *operands, *args.extra,
     ]  # fmt: skip
 
 
@@ -206,12 +215,42 @@ def verdicts(runs: list[dict]) -> list[str]:
     return lines
 
 
+def operand_lines(directory: str, runs: list[dict], worst: int = 3) -> list[str]:
+    """Per run with operand statistics (--operand-stats): its ``worst``
+    quantized operands by underflow, the largest over a stack's layers."""
+    lines = []
+    for r in runs:
+        path = _operands_path(directory, r["run"])
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            records = json.load(f)
+        sites = {}
+        for rec in records:
+            key = (rec["site"], rec["side"])
+            if key not in sites or rec["underflow"] > sites[key]["underflow"]:
+                sites[key] = rec
+        top = sorted(sites.values(), key=lambda rec: -rec["underflow"])[:worst]
+        described = ", ".join(
+            f"{rec['role']} {rec['side']} {list(rec['shape'])} layer "
+            f"{list(rec['iteration'])}: underflow {100 * rec['underflow']:.1f}%, "
+            f"zero-scale blocks {100 * rec['zero_scale_blocks']:.2f}%, "
+            f"error {100 * rec['relative_error']:.1f}%"
+            for rec in top
+        )
+        lines.append(f"{r['run']} operands, worst underflow: {described}")
+    return lines
+
+
 def report(directory: str, last: int) -> int:
     runs = summarize_dir(directory, last)
     if not runs:
         print(f"no <run>.csv in {directory}", file=sys.stderr)
         return 1
     text = table(runs, last)
+    operands = operand_lines(directory, runs)
+    if operands:
+        text += "\n\n" + "\n".join(operands)
     print(text)
     with open(os.path.join(directory, "summary.md"), "w") as f:
         f.write(text + "\n")
@@ -249,6 +288,13 @@ def main(argv=None) -> int:
     parser.add_argument("--last", type=int, default=100, help="steps to average")
     parser.add_argument(
         "--summary-only", action="store_true", help="summarize the runs in --out"
+    )
+    parser.add_argument(
+        "--operand-stats",
+        action="store_true",
+        help="after each NVFP4 run, measure every operand the recipe quantizes "
+        "(x, w, dY per layer) on a held-out batch: <out>/<run>_operands.json, "
+        "and the worst by underflow in the summary",
     )
     parser.add_argument(
         "extra",

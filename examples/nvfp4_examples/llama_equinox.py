@@ -413,6 +413,14 @@ def main(argv=None) -> list[dict]:
         "output, full = nothing, none = no remat",
     )
     parser.add_argument(
+        "--operand-stats",
+        default=None,
+        metavar="JSON",
+        help="after training, measure every operand the NVFP4 recipe quantizes "
+        "(x, w, dY per layer; jax_nvfp4.statistics.operand_stats) on the first "
+        "held-out batch and write the records here",
+    )
+    parser.add_argument(
         "--plot",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -443,6 +451,24 @@ def main(argv=None) -> list[dict]:
     flops = train_common.llama_flops_per_token(
         d_model=args.d_model, layers=args.layers, ffn=args.ffn, seq_len=args.seq_len
     )
+
+    def measure_operands(state):
+        trained, static = eqx.partition(state[0], eqx.is_inexact_array)
+        _, held_out = train_common.load_splits(args)
+        batch = train_common.eval_batches(held_out, args.batch, args.seq_len, 1)[0]
+
+        def loss_of(trained, batch, key):
+            model = to_bf16(eqx.combine(trained, static))
+            return loss_fn(model, batch, key)
+
+        train_common.write_operand_stats(
+            args.operand_stats,
+            jax.grad(loss_of),
+            trained,
+            jnp.asarray(batch),
+            jax.random.key(args.seed + 2),
+        )
+
     records = train_common.run_training(
         label=label,
         args=args,
@@ -451,6 +477,7 @@ def main(argv=None) -> list[dict]:
         flops_per_token=flops,
         eval_loss=eval_loss,
         schedule=schedule,
+        on_done=measure_operands if args.operand_stats else None,
     )
     if args.plot:
         png = os.path.join(args.out, "loss_equinox.png")

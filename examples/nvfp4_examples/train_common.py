@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import sys
@@ -38,6 +39,7 @@ __all__ = [
     "plot_curves",
     "run_training",
     "summarize",
+    "write_operand_stats",
 ]
 
 # --precision name -> the recipe of the layers the policy puts in NVFP4 (None:
@@ -520,3 +522,39 @@ def plot_curves(csv_paths: Sequence[str], png_path: str) -> None:
     os.makedirs(os.path.dirname(png_path) or ".", exist_ok=True)
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
+
+
+def _role(record: dict) -> str:
+    """What a measured operand is, from how the recipe quantizes it: a weight
+    (16x16 blocks), dY (stochastic rounding), else an activation (x, or dY
+    where the recipe rounds it to nearest)."""
+    if record["block"] == "16x16":
+        return "w"
+    return "dY" if record["stochastic"] else "x"
+
+
+def write_operand_stats(path: str, grad_fn: Callable, *args, worst: int = 5) -> None:
+    """Measures every operand the recipe quantizes in ``grad_fn(*args)`` (a
+    model's gradient on one batch; ``jax_nvfp4.statistics.operand_stats``),
+    writes the records to ``path`` as JSON, and prints the ``worst`` sites by
+    underflow (the largest over the layers of a stack)."""
+    _, records = nv.statistics.operand_stats(grad_fn, *args)
+    for r in records:
+        r["role"] = _role(r)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    sites: dict[tuple, dict] = {}
+    for r in records:
+        key = (r["site"], r["side"])
+        if key not in sites or r["underflow"] > sites[key]["underflow"]:
+            sites[key] = r
+    print(f"operand statistics ({len(records)} quantizations) written to {path}")
+    header = "  role side  shape                 iteration  underflow  zero-scale"
+    print(header + "  rel. error")
+    for r in sorted(sites.values(), key=lambda r: -r["underflow"])[:worst]:
+        print(
+            f"  {r['role']:4s} {r['side']:5s} {str(r['shape']):21s} "
+            f"{str(r['iteration']):10s} {r['underflow']:9.4f}  "
+            f"{r['zero_scale_blocks']:10.4f}  {r['relative_error']:10.4f}"
+        )
