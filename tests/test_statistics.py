@@ -164,3 +164,31 @@ def test_operand_stats_counts_loop_iterations_and_takes_cond_branches():
 
     _, records = nv.statistics.operand_stats(looped, x, square, jnp.int32(3))
     assert [r["iteration"] for r in records[::2]] == [(0,), (1,), (2,)]
+
+
+def test_operand_stats_of_a_flax_nnx_model():
+    """As an NNX user calls it: on nnx.grad of the loss, with the converted
+    model itself as the argument, which stays usable afterwards."""
+    nnx = pytest.importorskip("flax.nnx")
+    import jax_nvfp4.flax as nvflax
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(32, 64, rngs=rngs)
+            self.down = nnx.Linear(64, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.relu(self.up(x)))
+
+    model = MLP(nnx.Rngs(0))
+    nvflax.convert(model, nv.policy.Policy(default=nv.NVFP4), nnx.Rngs(nvfp4=1))
+    x = jax.random.normal(jax.random.key(0), (16, 32), jnp.bfloat16)
+
+    def loss(m, x):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+    grads, records = nv.statistics.operand_stats(nnx.grad(loss), model, x)
+    # Two layers: x and w forward (rows and cols each), dY backward.
+    assert len(records) == 12
+    assert sum(r["stochastic"] for r in records) == 4
+    assert jax.tree.structure(grads) == jax.tree.structure(nnx.grad(loss)(model, x))
