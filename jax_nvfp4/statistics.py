@@ -180,7 +180,8 @@ def operand_stats(fn, *args, implementation: Implementation = "ffi", **kwargs):
           (along its middle axis);
         shape: the quantized operand's shape, [items, rows, columns]: for a
           dense product x and dY are [1, tokens, features], w [1, K, N] or
-          [1, N, K] as stored;
+          [1, N, K] as stored; ragged_dot's token buffer has 16-row items,
+          each quantized with its group's amax, pooled in the record;
         block: "1x16" or "16x16" (a weight's); rht; stochastic: whether the
           recipe rounds it stochastically (dY);
         and the keys of ``STATISTICS``.

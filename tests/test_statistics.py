@@ -192,3 +192,37 @@ def test_operand_stats_of_a_flax_nnx_model():
     assert len(records) == 12
     assert sum(r["stochastic"] for r in records) == 4
     assert jax.tree.structure(grads) == jax.tree.structure(nnx.grad(loss)(model, x))
+
+
+def test_operand_stats_of_ragged_dot_pools_the_groups():
+    """The grouped product quantizes its token buffer's 16-row items, each
+    with its group's amax: one record per side pools them (empty groups and
+    padding rows hold zeros, which count as neither underflow nor error)."""
+    x = jax.random.normal(jax.random.key(0), (64, 32), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (4, 32, 48), jnp.float32) * 0.2
+    w = w.astype(jnp.bfloat16)
+    sizes = jnp.array([10, 30, 0, 24], jnp.int32)
+
+    def loss(x, w):
+        y = nv.ragged_dot(x, w, sizes, key=KEY)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    grads, records = nv.statistics.operand_stats(jax.grad(loss, (0, 1)), x, w)
+    with jax.disable_jit():
+        expected = jax.grad(loss, (0, 1))(x, w)
+    for got, want in zip(grads, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert len(records) == 6
+    weights = [r for r in records if r["block"] == "16x16"]
+    assert [r["shape"] for r in weights] == [(4, 32, 48)] * 2
+    x_rows = records[0]
+    assert x_rows["side"] == "rows" and x_rows["shape"][1:] == (16, 32)
+    # Each group's rows quantized with that group's amax: the pooled
+    # statistics are the sums of the groups' measured alone.
+    starts = np.cumsum([0, 10, 30, 0])
+    groups = [x[s : s + n] for s, n in zip(starts, [10, 30, 0, 24], strict=True) if n]
+    alone = [nv.quantization_stats(g) for g in groups]
+    nonzero = [int(jnp.sum(g != 0)) for g in groups]
+    assert x_rows["amax"] == max(float(a["amax"]) for a in alone)
+    pooled = sum(float(a["underflow"]) * n for a, n in zip(alone, nonzero, strict=True))
+    assert x_rows["underflow"] == pytest.approx(pooled / sum(nonzero), rel=1e-5)
