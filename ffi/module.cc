@@ -61,6 +61,11 @@ NB_MODULE(_ffi, m) {
   m.def("cpu_registrations", []() { return Registrations("cpu"); });
   m.def("cuda_registrations", []() { return Registrations("cuda"); });
   m.def("target_names", &TargetNames);
+  // The XLA FFI API version of the headers the handlers were built with: XLA
+  // refuses handlers newer than its own, so jax_nvfp4 compares this with the
+  // running jaxlib's before registering them.
+  m.def("ffi_api_version",
+        []() { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); });
   // Whether the fused CUDA quantize kernel writes decoded (bfloat16) operands
   // for these options (cuda/fused_quantize_rule.h); the handler also needs m
   // and k multiples of 16 and 16-byte aligned buffers at run time.

@@ -32,7 +32,6 @@ from jax_nvfp4.quantize import (
     quantize_rowwise_and_columnwise,
 )
 from jax_nvfp4.ragged_dot import ragged_dot
-from jax_nvfp4.statistics import quantization_stats
 from jax_nvfp4.recipe import (
     BF16,
     NVFP4,
@@ -45,6 +44,7 @@ from jax_nvfp4.recipe import (
     Recipe,
     save_fp4_residuals,
 )
+from jax_nvfp4.statistics import quantization_stats
 
 __version__ = "0.1.0"
 

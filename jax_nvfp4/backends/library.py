@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import os
+import re
 import warnings
 from types import ModuleType
 
@@ -25,11 +27,13 @@ from jax_nvfp4 import config
 
 __all__ = [
     "MissingHandlersWarning",
+    "api_mismatch",
     "available_platforms",
     "missing_handlers",
     "extension",
     "handler_source",
     "registered_targets",
+    "runtime_ffi_api_version",
     "target_names",
     "targets_on",
 ]
@@ -37,6 +41,8 @@ __all__ = [
 _source = "none"
 # Why the extension could not be imported (the ImportError), if it could not.
 _import_error: str | None = None
+# Why the extension's handlers were not registered although it imported.
+_refused: str | None = None
 _warned: set[str] = set()
 
 
@@ -74,9 +80,45 @@ def extension() -> ModuleType | None:
     return _ffi
 
 
+_API_VERSION = re.compile(r"#define\s+XLA_FFI_API_(MAJOR|MINOR)\s+(\d+)")
+
+
+def runtime_ffi_api_version(include_dir: str | None = None) -> tuple[int, int] | None:
+    """The XLA FFI API version of the running jaxlib, read from the headers
+    it ships (``jax.ffi.include_dir()``); None where they cannot be read."""
+    try:
+        include_dir = include_dir or jax.ffi.include_dir()
+        with open(os.path.join(include_dir, "xla", "ffi", "api", "c_api.h")) as f:
+            found = dict((k, int(v)) for k, v in _API_VERSION.findall(f.read()))
+        return found["MAJOR"], found["MINOR"]
+    except (OSError, KeyError, AttributeError):
+        return None
+
+
+def api_mismatch(built, runtime) -> str | None:
+    """Why handlers built against XLA FFI API ``built`` cannot run on a jaxlib
+    of API ``runtime`` (XLA refuses handlers newer than itself, and then fails
+    to start the whole backend); None where they can or either is unknown."""
+    if built is None or runtime is None or tuple(built) <= tuple(runtime):
+        return None
+    try:
+        running = f"jaxlib {importlib.metadata.version('jaxlib')}, "
+    except importlib.metadata.PackageNotFoundError:
+        running = ""
+    return (
+        "its handlers were built against the XLA FFI headers of a newer "
+        f"jaxlib (API {built[0]}.{built[1]}) than the one running ({running}API "
+        f"{runtime[0]}.{runtime[1]}), which XLA refuses; rebuild against the "
+        "installed jax with `pip install --no-build-isolation --no-deps "
+        "--force-reinstall .` (needs scikit-build-core and nanobind "
+        "installed), or install a jax at least as new as the one it was built "
+        "with"
+    )
+
+
 def _load() -> dict[str, dict[str, object]]:
     """Returns {xla platform name: {target: capsule}}."""
-    global _source
+    global _source, _refused
     if config.implementation() == "reference":
         _source = "none: JAX_NVFP4_IMPLEMENTATION=reference"
         return {}
@@ -86,6 +128,10 @@ def _load() -> dict[str, dict[str, object]]:
         return {"cpu": _library_targets(library)}
     ext = extension()
     if ext is None:
+        return {}
+    built = ext.ffi_api_version() if hasattr(ext, "ffi_api_version") else None
+    _refused = api_mismatch(built, runtime_ffi_api_version())
+    if _refused:
         return {}
     _source = ext.__file__
     return {"cpu": ext.cpu_registrations(), "CUDA": ext.cuda_registrations()}
@@ -142,6 +188,8 @@ def _why_missing(platform: str) -> str:
             "JAX_NVFP4_FFI_LIBRARY loads CPU handlers only; unset it to use the "
             "extension built by pip install"
         )
+    if _refused is not None:
+        return f"the extension at {extension().__file__} is unusable here: {_refused}"
     if _import_error is None and extension() is not None:
         return (
             f"the extension at {extension().__file__} was built without CUDA "

@@ -89,3 +89,59 @@ def test_installed_package_has_handlers_and_no_warning(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'cpu'" in result.stdout
     assert warnings_in(result.stderr) == []
+
+
+# The running jaxlib's XLA FFI API made older than the extension's: XLA would
+# refuse the handlers (and fail to start the CPU backend), so they are not
+# registered; the twin runs, with a warning that says how to rebuild.
+OLDER_RUNTIME = (
+    r"""
+import os, tempfile
+import jax
+headers = tempfile.mkdtemp()
+os.makedirs(os.path.join(headers, "xla", "ffi", "api"))
+with open(os.path.join(headers, "xla", "ffi", "api", "c_api.h"), "w") as f:
+    f.write("#define XLA_FFI_API_MAJOR 0\n#define XLA_FFI_API_MINOR 0\n")
+jax.ffi.include_dir = lambda: headers
+"""
+    + PROGRAM
+    + """
+print("other jax work runs", float(jax.numpy.ones(3).sum()))
+"""
+)
+
+
+def test_handlers_newer_than_the_running_jaxlib_are_not_registered(tmp_path):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("JAX_NVFP4")}
+    environ.update(JAX_PLATFORMS="cpu", PYTHONWARNINGS="")
+    result = subprocess.run(
+        [sys.executable, "-c", OLDER_RUNTIME],
+        cwd=tmp_path,  # the installed package
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "platforms []" in result.stdout
+    assert "other jax work runs 3.0" in result.stdout
+    found = warnings_in(result.stderr)
+    assert len(found) == 1, result.stderr[-3000:]
+    assert "newer jaxlib" in found[0] and "--no-build-isolation" in found[0]
+
+
+def test_api_versions_compare(tmp_path):
+    from jax_nvfp4.backends import library
+
+    header = tmp_path / "xla" / "ffi" / "api" / "c_api.h"
+    header.parent.mkdir(parents=True)
+    header.write_text("#define XLA_FFI_API_MAJOR 0\n//\n#define XLA_FFI_API_MINOR 4\n")
+    assert library.runtime_ffi_api_version(str(tmp_path)) == (0, 4)
+    assert library.runtime_ffi_api_version(str(tmp_path / "none")) is None
+    assert library.api_mismatch((0, 3), (0, 4)) is None  # older handlers run
+    assert library.api_mismatch((0, 4), (0, 4)) is None
+    assert library.api_mismatch((0, 5), None) is None  # unknown: let XLA decide
+    assert "API 0.5" in library.api_mismatch((0, 5), (0, 4))
+    # The installed extension's headers are this jaxlib's or older.
+    built = library.extension().ffi_api_version()
+    assert library.api_mismatch(built, library.runtime_ffi_api_version()) is None
