@@ -99,6 +99,7 @@ def test_symbolic_token_dimension(tokens):
             )
 
 
+@pytest.mark.filterwarnings("ignore::jax_nvfp4.MissingHandlersWarning")
 def test_multi_platform_export_keeps_the_portable_gemms(monkeypatch):
     """Exported for CUDA and the CPU at once, the GEMMs are the portable ones
     (XLA's dot on the decoded operands), even where this process has a

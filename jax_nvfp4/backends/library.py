@@ -191,8 +191,15 @@ def _why_missing(platform: str) -> str:
     if _refused is not None:
         return f"the extension at {extension().__file__} is unusable here: {_refused}"
     if _import_error is None and extension() is not None:
+        ext = extension()
+        if getattr(ext, "cuda_build", lambda: "")() == "JAX_NVFP4_CUDA=OFF":
+            return (
+                f"the extension at {ext.__file__} was built without CUDA, as "
+                "JAX_NVFP4_CUDA=OFF asked; reinstall without that setting where "
+                "nvcc is found to get the CUDA handlers"
+            )
         return (
-            f"the extension at {extension().__file__} was built without CUDA "
+            f"the extension at {ext.__file__} was built without CUDA "
             "(nvcc was not found when it was built); reinstall with nvcc on "
             "PATH, or with JAX_NVFP4_CUDA=ON to make a missing nvcc an error"
         )

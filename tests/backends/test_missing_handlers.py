@@ -145,3 +145,26 @@ def test_api_versions_compare(tmp_path):
     # The installed extension's headers are this jaxlib's or older.
     built = library.extension().ffi_api_version()
     assert library.api_mismatch(built, library.runtime_ffi_api_version()) is None
+
+
+@pytest.mark.parametrize(
+    "build, says",
+    [
+        ("JAX_NVFP4_CUDA=OFF", "as JAX_NVFP4_CUDA=OFF asked"),
+        ("no nvcc", "nvcc was not found"),
+    ],
+)
+def test_missing_cuda_handlers_say_why(monkeypatch, build, says):
+    from jax_nvfp4.backends import library
+
+    class Extension:
+        __file__ = "/site/jax_nvfp4/_ffi.so"
+
+        @staticmethod
+        def cuda_build():
+            return build
+
+    monkeypatch.setattr(library, "extension", lambda: Extension)
+    monkeypatch.setattr(library, "_import_error", None)
+    monkeypatch.setattr(library, "_refused", None)
+    assert says in library._why_missing("cuda")
