@@ -10,7 +10,7 @@ import math
 import os
 import struct
 import sys
-import tempfile
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,11 @@ def write_safetensors(
         offset += array.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    # Written beside the file, then renamed over it. Created with mode 0o666
+    # less the umask, as any new file (mkstemp's are private, which a serving
+    # engine running as another user could not read).
+    tmp = path.parent / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(text)))

@@ -8,6 +8,8 @@ from the module under test, so they check it independently.
 """
 
 import json
+import os
+import stat
 import struct
 
 import jax
@@ -996,3 +998,19 @@ def test_compressed_tensors_unpacks_our_export(tmp_path, torch):
         served = values.numpy() * s * tensors[name + ".weight_scale_2"].item()
         ours = np.asarray(jax_nvfp4.dequantize(ckpt.quantized[name], jnp.float32))
         assert np.all(np.abs(served - ours) <= np.spacing(np.abs(ours))), name
+
+
+def test_export_files_are_readable_as_any_new_file(tmp_path):
+    """The weights get the permissions of any new file (0o666 less the
+    umask), like the JSON files beside them: a serving engine running as
+    another user reads them all. No temporary file is left behind."""
+    old = os.umask(0o022)
+    try:
+        export(tmp_path / "a", model(), nvfp4=transformer_policy(2))
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "a").iterdir())
+    assert [f.name for f in files if f.suffix == ".tmp"] == []
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files}
+    assert modes["model.safetensors"] == 0o644, modes
+    assert modes["hf_quant_config.json"] == 0o644, modes
