@@ -168,3 +168,19 @@ def test_traced_amax_is_accepted():
 def test_key_with_nearest_rounding_warns():
     with pytest.warns(UserWarning, match="ignored"):
         nv.quantize(jnp.ones((4, 32)), key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.bool_, jnp.complex64])
+def test_products_refuse_operands_the_recipe_cannot_quantize(dtype):
+    """Integer, bool and complex operands get a TypeError before any handler
+    runs, eagerly and under jit (not a runtime error from the handler, nor an
+    unchecked result); the bf16 recipe passes them to XLA."""
+    x, w = jnp.ones((32, 64), dtype), jnp.ones((64, 32), dtype)
+    with pytest.raises(TypeError, match=f"are {jnp.dtype(dtype)}.*cast them"):
+        nv.dot(x, w)
+    with pytest.raises(TypeError, match="cast them"):
+        jax.jit(nv.dot)(x, w)
+    with pytest.raises(TypeError, match="cast them"):
+        nv.dot_general(x, w, (((1,), (0,)), ((), ())))
+    if dtype != jnp.bool_:
+        assert nv.dot(x, w, recipe=nv.BF16).dtype == dtype

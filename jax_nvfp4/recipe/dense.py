@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_nvfp4 import ops
+from jax_nvfp4.format import is_supported_input_dtype
 from jax_nvfp4.keys import key_words
 from jax_nvfp4.matmul import matmul_gemm_operands
 from jax_nvfp4.ops import dispatch
@@ -203,8 +204,16 @@ def _check_operands(x2, w2, nk, recipe):
             f"x is {x2.dtype} and w is {w2.dtype}; cast both to one dtype "
             "(e.g. w.astype(x.dtype))"
         )
+    quantized = recipe.fprop or recipe.dgrad or recipe.wgrad
+    if quantized and not is_supported_input_dtype(x2.dtype):
+        raise TypeError(
+            f"x and w are {x2.dtype}; the NVFP4 recipe quantizes float32, "
+            "bfloat16 or float16 operands — cast them (e.g. x.astype("
+            "jnp.bfloat16)) or keep this product in its dtype "
+            "(recipe=jax_nvfp4.BF16)"
+        )
     n, k = w2.shape if nk else w2.shape[::-1]
-    if (recipe.fprop or recipe.dgrad or recipe.wgrad) and (k % 16 or n % 16):
+    if quantized and (k % 16 or n % 16):
         raise ValueError(
             f"the weight is K={k} by N={n} (contracted by free sizes); NVFP4 "
             "GEMMs need K and N multiples of 16 — pad the layer or keep it in "

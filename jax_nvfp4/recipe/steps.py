@@ -114,6 +114,8 @@ def quantize_tokens(
     operands; then the fused pass writes the rows (and the columns if
     ``decoded_cols``) as bfloat16 values where its kernel serves the
     options (``ops.fused_writes_values``)."""
+    if not (rows or cols):
+        return None, None
     impl = implementation_ops(recipe.implementation)
     items = layout.items(a)
     if cols and recipe.rht:  # one read: (plain, token-axis RHT) per item
@@ -189,6 +191,8 @@ def quantize_weights(w3, recipe: Recipe, *, k_last: bool = False):
     (along the last axis row-wise, along the middle one column-wise,
     stored transposed), None where the recipe keeps that GEMM out of NVFP4.
     With 16x16 tiles both carry the same values."""
+    if not (recipe.fprop or recipe.dgrad):
+        return None, None
     impl = implementation_ops(recipe.implementation)
     if w3.shape[0] == 1:
         amax = impl.abs_max(w3[0]).reshape(1)
