@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jax_nvfp4.equinox.fold import trace_classes
 from jax_nvfp4.recipe import Recipe
-from jax_nvfp4.recipe.steps import recipe_words
+from jax_nvfp4.recipe.steps import recipe_words, refuse_forward_mode
 
 __all__ = ["keys"]
 
@@ -143,9 +143,15 @@ def forward_only(
     its gradient raises a ValueError saying how to give the layer a key. The
     key operand is unused."""
     no_sr = dataclasses.replace(recipe, stochastic_rounding=False)
-    return functools.partial(
-        _forward_only, functools.partial(product, no_sr), _missing_key_message(layer)
-    )
+    message = _missing_key_message(layer)
+
+    def run(*operands):
+        # Forward mode gets the recipe's own error, as with a key, not
+        # JAX's about this custom_vjp.
+        refuse_forward_mode(*operands)
+        return _forward_only(functools.partial(product, no_sr), message, *operands)
+
+    return run
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

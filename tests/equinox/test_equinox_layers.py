@@ -510,3 +510,15 @@ def test_eqx_mlp_trains_with_keys():
         losses.append(float(value))
     assert np.all(np.isfinite(losses))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_forward_mode_gets_the_recipes_error_with_or_without_a_key():
+    """jax.jvp through a converted Linear says that the recipe has a VJP only,
+    whether the layer got a key or not (without one it runs its forward-only
+    product, a custom VJP of its own)."""
+    key = jax.random.key(0)
+    linear = nveqx.convert(eqx.nn.Linear(64, 32, key=key), Policy(default=nv.NVFP4))
+    x = jnp.ones((64,), jnp.float32)
+    for call in (lambda x: linear(x), lambda x: linear(x, key=key)):
+        with pytest.raises(TypeError, match=r"not a JVP.*jax.grad / jax.vjp"):
+            jax.jvp(call, (x,), (x,))
