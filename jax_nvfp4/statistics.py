@@ -277,28 +277,34 @@ def _run(jaxpr, consts, args, iteration, records, sites, implementation):
     return [read(v) for v in jaxpr.outvars]
 
 
+def _scan_parts(p, invals):
+    """(consts, carry, xs, carry count) of a scan's operands, and its body."""
+    body, body_consts = _closed(p["jaxpr"])
+    if "ft_in" in p:  # jax 0.11 on: the operands' tree is a parameter
+        consts, carry, xs = (list(t) for t in p["ft_in"].update(invals).unpack())
+    else:
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        consts, carry = invals[:n_consts], invals[n_consts : n_consts + n_carry]
+        xs = invals[n_consts + n_carry :]
+    return body, [*body_consts], consts, carry, xs
+
+
 def _scan(eqn, invals, iteration, inner):
     p = eqn.params
-    consts = invals[: p["num_consts"]]
-    carry = invals[p["num_consts"] : p["num_consts"] + p["num_carry"]]
-    xs = invals[p["num_consts"] + p["num_carry"] :]
-    length = p["length"]
+    body, body_consts, consts, carry, xs = _scan_parts(p, invals)
+    n_carry, length = len(carry), p["length"]
     ys = [None] * length
     order = range(length - 1, -1, -1) if p["reverse"] else range(length)
     for i in order:
         outs = inner(
-            p["jaxpr"].jaxpr,
-            p["jaxpr"].consts,
-            [*consts, *carry, *(x[i] for x in xs)],
-            (*iteration, i),
+            body, body_consts, [*consts, *carry, *(x[i] for x in xs)], (*iteration, i)
         )
-        carry, ys[i] = outs[: p["num_carry"]], outs[p["num_carry"] :]
-    n_ys = len(eqn.outvars) - p["num_carry"]
+        carry, ys[i] = outs[:n_carry], outs[n_carry:]
     stacked = [
         jnp.stack([ys[i][j] for i in range(length)])
         if length
         else jnp.zeros(v.aval.shape, v.aval.dtype)
-        for j, v in zip(range(n_ys), eqn.outvars[p["num_carry"] :], strict=True)
+        for j, v in enumerate(eqn.outvars[n_carry:])
     ]
     return [*carry, *stacked]
 
