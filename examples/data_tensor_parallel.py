@@ -15,7 +15,10 @@ import argparse
 import os
 import sys
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+)
 parser.add_argument(
     "--devices", type=int, default=8, help="virtual CPU devices (0: use the real ones)"
 )

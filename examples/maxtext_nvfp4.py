@@ -394,7 +394,10 @@ def train_linen(cfg: Config, steps: int, lr: float) -> dict[str, list[float]]:
 
 
 def main(argv=None) -> dict[str, dict[str, list[float]]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--api", choices=("nnx", "linen", "both"), default="both")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)

@@ -360,7 +360,10 @@ def train(args) -> llama_equinox.Llama:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     train_common.add_common_flags(parser)
     parser.set_defaults(precision="nvfp4", steps=200, keep_last=1)
     parser.add_argument("--prompt", default="WATER, n.", help="text to continue")

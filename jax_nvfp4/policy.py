@@ -287,7 +287,8 @@ def warn_unmatched_rules(policy: Policy, paths: Sequence[str], stacklevel: int =
     unmatched = policy.unmatched_rules(paths)
     if len(unmatched) < len(policy.rules):
         return
-    found = ", ".join(paths[:20]) + (", ..." if len(paths) > 20 else "")
+    shown = [p if p else "'' (the model itself)" for p in paths[:20]]
+    found = ", ".join(shown) + (", ..." if len(paths) > 20 else "")
     warnings.warn(
         f"no rule of the policy ({unmatched}) matches a linear layer of this "
         f"model; its linear layers are at: {found or '(none)'}. Globs match the "

@@ -168,7 +168,9 @@ def quantize(
       amax: the global amax to use (a float scalar), e.g. one reduced across
         shards: the max |x| over x's finite elements, so finite and >= 0 (0
         only for an x without a nonzero finite element); computed from x
-        when omitted. A concrete amax that is not raises a ValueError. A
+        when omitted. It sets the scale: elements larger than a given amax
+        saturate (decode to at most amax); that is not checked. A concrete
+        amax that is not finite and >= 0 raises a ValueError. A
         traced one (under ``jit``) is checked against the result: where it
         is NaN, +-inf or negative, or 0 while x holds a nonzero finite
         element, every block scale is the E4M3 NaN and the tensor's amax NaN

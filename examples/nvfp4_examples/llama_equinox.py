@@ -392,7 +392,10 @@ def count_nvfp4_layers(model) -> tuple[int, int]:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     train_common.add_common_flags(parser)
     parser.add_argument(
         "--label", default=None, help="run name (default: equinox_<precision>)"

@@ -350,7 +350,10 @@ def build(args: argparse.Namespace) -> tuple[Llama, str]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     train_common.add_common_flags(parser)
     parser.add_argument(
         "--label", default=None, help="run name (default: flax_<precision>)"

@@ -70,7 +70,7 @@ class Linear(eqx.Module):
                     f"{name} must be an int (the 'scalar' features of "
                     f"eqx.nn.Linear are not supported), got {n!r}"
                 )
-        _check_shape(in_features, out_features, recipe, "Linear")
+        _check_shape(in_features, out_features, recipe, None)
         linear = eqx.nn.Linear(
             in_features, out_features, use_bias=use_bias, dtype=dtype, key=key
         )
@@ -209,10 +209,16 @@ def _to_eqx_linear(layer: Linear) -> eqx.nn.Linear:
     return _fill(template, layer.weight, layer.bias)
 
 
-def _check_shape(k: int, n: int, recipe: Recipe, path: str) -> None:
+def _check_shape(k: int, n: int, recipe: Recipe, path: str | None) -> None:
+    """``path``: the layer's path in a model being converted, None for a
+    Linear built directly."""
     if (recipe.fprop or recipe.dgrad or recipe.wgrad) and (k % 16 or n % 16):
+        keep = (
+            "use eqx.nn.Linear (bf16) for this layer, or recipe=jax_nvfp4.BF16"
+            if path is None
+            else f"keep this layer in bf16 (a policy rule ({path!r}, None))"
+        )
         raise ValueError(
             f"{path or 'Linear'}: in_features={k}, out_features={n}; NVFP4 "
-            "needs multiples of 16 -- keep this layer in bf16 (a policy rule "
-            f"({path!r}, None)) or pad it"
+            f"needs multiples of 16 -- {keep}, or pad it"
         )

@@ -63,7 +63,8 @@ def with_varying(out, avals):
 
 def _no_derivative(name, primals, tangents, **params):
     raise NotImplementedError(
-        f"{name} has no derivative: NVFP4 quantization is piecewise constant. "
+        f"jax_nvfp4's primitive {name} has no derivative: NVFP4 quantization "
+        "is piecewise constant. "
         "To train through NVFP4, use jax_nvfp4.dot / dot_general, whose custom "
         "VJP defines the recipe's gradients, instead of differentiating "
         "quantize or dequantize. Higher-order derivatives of jax_nvfp4.dot "
