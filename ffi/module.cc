@@ -68,8 +68,8 @@ NB_MODULE(_ffi, m) {
   // The XLA FFI API version of the headers the handlers were built with: XLA
   // refuses handlers newer than its own, so jax_nvfp4 compares this with the
   // running jaxlib's before registering them.
-  // Whether the CUDA handlers were built: "built", "no nvcc" or
-  // "JAX_NVFP4_CUDA=OFF" (the warning about missing handlers says which).
+  // Whether the CUDA handlers were built: "built", "no nvcc", "nvcc unusable"
+  // or "JAX_NVFP4_CUDA=OFF" (the warning about missing handlers says which).
   m.def("cuda_build", []() { return std::string(JAX_NVFP4_CUDA_BUILD); });
   m.def("ffi_api_version",
         []() { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); });

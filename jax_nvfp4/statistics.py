@@ -11,10 +11,12 @@ far below the tensor's amax gets a subnormal or zero E4M3 scale.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_nvfp4.format import BLOCK_SIZE, Block
 from jax_nvfp4.quantize import Implementation, dequantize, quantize
@@ -55,6 +57,12 @@ def _counts(x, axis, block, rht, amax, implementation):
     # measured over the other blocks.
     blocked = (*values.shape[:-1], -1, BLOCK_SIZE)
     clean = jnp.all(jnp.isfinite(values.reshape(blocked)), axis=-1)
+    if block == "16x16":  # a tile's one scale spans 16 rows of blocks
+        rows, blocks = clean.shape[-2:]
+        tiles = clean.reshape(*clean.shape[:-2], rows // BLOCK_SIZE, BLOCK_SIZE, blocks)
+        tiles = jnp.all(tiles, axis=-2, keepdims=True)
+        clean = jnp.broadcast_to(tiles, tiles.shape[:-2] + (BLOCK_SIZE, blocks))
+        clean = clean.reshape(*clean.shape[:-3], rows, blocks)
     values = jnp.where(clean[..., None], values.reshape(blocked), 0.0)
     decoded = jnp.where(clean[..., None], decoded.reshape(blocked), 0.0)
     nonzero = values != 0
@@ -148,6 +156,7 @@ _CALLS = (
     "custom_jvp_call",
     "custom_vjp_call",
     "custom_vjp_call_jaxpr",
+    "eval_jaxpr",
 )
 
 
@@ -163,7 +172,9 @@ def operand_stats(fn, *args, implementation: Implementation = "ffi", **kwargs):
     RHT where the recipe applies it. Loops (``lax.scan``, ``while``) run
     iteration by iteration and ``cond`` runs its branch taken; inside
     ``shard_map`` and other primitives that hold a jaxpr nothing is measured.
-    Eager and slow: for diagnosis. ``out`` is the result of that op-by-op
+    Only the arrays among the arguments are traced; other leaves (static
+    arguments, an Equinox model's functions) are passed as they are. Eager
+    and slow: for diagnosis. ``out`` is the result of that op-by-op
     run (``jax.disable_jit()``'s), which can differ from the jitted result
     where XLA's fusions round differently and a quantization then rounds an
     element the other way.
@@ -182,54 +193,41 @@ def operand_stats(fn, *args, implementation: Implementation = "ffi", **kwargs):
           dense product x and dY are [1, tokens, features], w [1, K, N] or
           [1, N, K] as stored; ragged_dot's token buffer has 16-row items,
           each quantized with its group's amax, pooled in the record;
-        block: "1x16" or "16x16" (a weight's); rht; stochastic: whether the
-          recipe rounds it stochastically (dY);
+        weight: whether it is a weight's quantization (16x16 tiles, or both
+          sides from one stream; x and dY draw theirs from two);
+        block: "1x16" or "16x16"; rht; stochastic: whether the recipe rounds
+          it stochastically (dY);
         and the keys of ``STATISTICS``.
     """
-    bound = functools.partial(fn, **kwargs)
-    closed, out_shape = jax.make_jaxpr(bound, return_shape=True)(*args)
-    records: list[dict] = []
-    sites: dict[int, int] = {}
-    outs = _run(
-        closed.jaxpr,
-        closed.consts,
-        jax.tree.leaves(args),
-        (),
-        records,
-        sites,
-        implementation,
+    # Arrays are the computation's inputs; every other leaf (a static
+    # argument, an Equinox model's functions) is closed over, as
+    # eqx.filter_jit does.
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    dynamic = [isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in leaves]
+
+    def call(*arrays):
+        it = iter(arrays)
+        full = [
+            next(it) if d else leaf for leaf, d in zip(leaves, dynamic, strict=True)
+        ]
+        call_args, call_kwargs = jax.tree.unflatten(tree, full)
+        return fn(*call_args, **call_kwargs)
+
+    arrays = [leaf for leaf, d in zip(leaves, dynamic, strict=True) if d]
+    closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*arrays)
+    run = _Run(implementation)
+    outs = run.jaxpr(closed.jaxpr, closed.consts, arrays, (), ())
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs), run.records
+
+
+def _is_weight(eqn) -> bool:
+    """Whether a quantize is a weight's, as the recipe lays them out: 16x16
+    tiles, or both sides drawn from one stream (x and dY take streams 0 and
+    1). A one-sided 1x16 weight quantization is not told apart."""
+    specs = [eqn.params[side] for side in _QUANTIZE[eqn.primitive.name][1]]
+    return specs[0].block_rows == 16 or (
+        len(specs) == 2 and specs[0].stream == specs[1].stream
     )
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs), records
-
-
-def _measure(eqn, invals, iteration, records, sites, implementation):
-    amax_operands, sides = _QUANTIZE[eqn.primitive.name]
-    site = sites.setdefault(id(eqn), len(sites))
-    x = invals[0]  # [items, rows, columns]
-    for side, operand in zip(sides, amax_operands, strict=True):
-        spec = eqn.params[side]
-        block = "16x16" if spec.block_rows == 16 else "1x16"
-        axis = 1 if side == "cols" else 2
-
-        def counts(item, amax, axis=axis, block=block, rht=spec.rht):
-            return _counts(item, axis - 1, block, rht, amax, implementation)
-
-        per_item = jax.vmap(counts)(x, jnp.reshape(invals[operand], (-1,)))
-        summed = {k: jnp.sum(v) for k, v in per_item.items() if k != "amax"}
-        summed["amax"] = jnp.max(per_item["amax"])
-        stats = _statistics(summed)
-        records.append(
-            {
-                "site": site,
-                "iteration": iteration,
-                "side": side,
-                "shape": tuple(x.shape),
-                "block": block,
-                "rht": spec.rht,
-                "stochastic": spec.stochastic,
-                **{k: float(v) for k, v in stats.items()},
-            }
-        )
 
 
 def _closed(param):
@@ -238,47 +236,136 @@ def _closed(param):
     return param, ()
 
 
-def _run(jaxpr, consts, args, iteration, records, sites, implementation):
-    """Evaluates ``jaxpr`` eagerly, measuring its quantizations."""
-    env = {}
+class _Run:
+    """An eager evaluation of a jaxpr that measures its quantizations.
+    ``path``: the ids of the equations that enclose the one running (so that
+    a jaxpr reused in two places, as JAX caches traced functions, gives two
+    sites); ``iteration``: the enclosing loops' iteration numbers."""
 
-    def read(v):
-        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+    def __init__(self, implementation):
+        self.implementation = implementation
+        self.records: list[dict] = []
+        self.sites: dict[tuple, int] = {}
 
-    for v, value in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = value
-    for v, value in zip(jaxpr.invars, args, strict=True):
-        env[v] = value
-    inner = functools.partial(
-        _run, records=records, sites=sites, implementation=implementation
-    )
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        if name in _QUANTIZE:
-            _measure(eqn, invals, iteration, records, sites, implementation)
-        params = eqn.params
-        if name in _CALLS and ("jaxpr" in params or "call_jaxpr" in params):
-            body, body_consts = _closed(params.get("jaxpr") or params["call_jaxpr"])
-            outs = inner(body, body_consts, invals, iteration)
-        elif name == "scan":
-            outs = _scan(eqn, invals, iteration, inner)
-        elif name == "while":
-            outs = _while(eqn, invals, iteration, inner)
-        elif name == "cond":
-            branch = params["branches"][int(invals[0])]
-            outs = inner(branch.jaxpr, branch.consts, invals[1:], iteration)
-        else:
-            outs = eqn.primitive.bind(*invals, **params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        for v, value in zip(eqn.outvars, outs, strict=True):
+    def jaxpr(self, jaxpr, consts, args, path, iteration):
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+        for v, value in zip(jaxpr.constvars, consts, strict=True):
             env[v] = value
-    return [read(v) for v in jaxpr.outvars]
+        for v, value in zip(jaxpr.invars, args, strict=True):
+            env[v] = value
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            here = (*path, id(eqn))
+            if eqn.primitive.name in _QUANTIZE:
+                self.measure(eqn, invals, here, iteration)
+            outs = self.equation(eqn, invals, here, iteration)
+            for v, value in zip(eqn.outvars, outs, strict=True):
+                env[v] = value
+        return [read(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn, invals, path, iteration):
+        name, params = eqn.primitive.name, eqn.params
+        if name in _CALLS and ("jaxpr" in params or "call_jaxpr" in params):
+            body, consts = _closed(params.get("jaxpr") or params["call_jaxpr"])
+            return self.jaxpr(body, consts, invals, path, iteration)
+        if name == "scan":
+            return self.scan(eqn, invals, path, iteration)
+        if name == "while":
+            return self.while_loop(eqn, invals, path, iteration)
+        if name == "cond":
+            branch = params["branches"][int(invals[0])]
+            return self.jaxpr(branch.jaxpr, branch.consts, invals[1:], path, iteration)
+        # As jax.core.eval_jaxpr binds: in the equation's context, with the
+        # parameters a bind takes (shard_map's and pmap's differ).
+        context = getattr(getattr(eqn, "ctx", None), "manager", None)
+        bind_params = eqn.primitive.get_bind_params(params)
+        subfuns = ()
+        if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+            subfuns, bind_params = bind_params
+        with context if context is not None else contextlib.nullcontext():
+            outs = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+        return outs if eqn.primitive.multiple_results else [outs]
+
+    def measure(self, eqn, invals, path, iteration):
+        amax_operands, sides = _QUANTIZE[eqn.primitive.name]
+        site = self.sites.setdefault(path, len(self.sites))
+        x = invals[0]  # [items, rows, columns]
+        weight = _is_weight(eqn)
+        for side, operand in zip(sides, amax_operands, strict=True):
+            spec = eqn.params[side]
+            block = "16x16" if spec.block_rows == 16 else "1x16"
+            axis = 0 if side == "cols" else 1  # of an item [rows, columns]
+
+            def counts(item, amax, axis=axis, block=block, rht=spec.rht):
+                return _counts(item, axis, block, rht, amax, self.implementation)
+
+            # One amax per item, or one for all of them.
+            amax = jnp.reshape(invals[operand], (-1,))
+            amax = jnp.broadcast_to(amax, (x.shape[0],))
+            per_item = jax.vmap(counts)(x, amax)
+            summed = {k: jnp.sum(v) for k, v in per_item.items() if k != "amax"}
+            summed["amax"] = jnp.max(per_item["amax"])
+            stats = _statistics(summed)
+            self.records.append(
+                {
+                    "site": site,
+                    "iteration": iteration,
+                    "side": side,
+                    "shape": tuple(x.shape),
+                    "weight": weight,
+                    "block": block,
+                    "rht": spec.rht,
+                    "stochastic": spec.stochastic,
+                    **{k: float(v) for k, v in stats.items()},
+                }
+            )
+
+    def scan(self, eqn, invals, path, iteration):
+        p = eqn.params
+        body, body_consts, consts, carry, xs = _scan_parts(p, invals)
+        n_carry, length = len(carry), p["length"]
+        ys = [None] * length
+        order = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        for i in order:
+            operands = [*consts, *carry, *(x[i] for x in xs)]
+            outs = self.jaxpr(body, body_consts, operands, path, (*iteration, i))
+            carry, ys[i] = outs[:n_carry], outs[n_carry:]
+        stacked = [
+            jnp.stack([ys[i][j] for i in range(length)])
+            if length
+            else jnp.zeros(v.aval.shape, v.aval.dtype)
+            for j, v in enumerate(eqn.outvars[n_carry:])
+        ]
+        return [*carry, *stacked]
+
+    def while_loop(self, eqn, invals, path, iteration):
+        p = eqn.params
+        n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
+        carry = invals[n_cond + n_body :]
+        cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+
+        def more(carry):
+            operands = [*cond_consts, *carry]
+            return bool(
+                self.jaxpr(cond.jaxpr, cond.consts, operands, path, iteration)[0]
+            )
+
+        i = 0
+        while more(carry):
+            operands = [*body_consts, *carry]
+            carry = self.jaxpr(body.jaxpr, body.consts, operands, path, (*iteration, i))
+            i += 1
+        return carry
 
 
 def _scan_parts(p, invals):
-    """(consts, carry, xs, carry count) of a scan's operands, and its body."""
+    """A scan's body and its constants, and its operands as (consts, carry,
+    xs)."""
     body, body_consts = _closed(p["jaxpr"])
     if "ft_in" in p:  # jax 0.11 on: the operands' tree is a parameter
         consts, carry, xs = (list(t) for t in p["ft_in"].update(invals).unpack())
@@ -287,36 +374,3 @@ def _scan_parts(p, invals):
         consts, carry = invals[:n_consts], invals[n_consts : n_consts + n_carry]
         xs = invals[n_consts + n_carry :]
     return body, [*body_consts], consts, carry, xs
-
-
-def _scan(eqn, invals, iteration, inner):
-    p = eqn.params
-    body, body_consts, consts, carry, xs = _scan_parts(p, invals)
-    n_carry, length = len(carry), p["length"]
-    ys = [None] * length
-    order = range(length - 1, -1, -1) if p["reverse"] else range(length)
-    for i in order:
-        outs = inner(
-            body, body_consts, [*consts, *carry, *(x[i] for x in xs)], (*iteration, i)
-        )
-        carry, ys[i] = outs[:n_carry], outs[n_carry:]
-    stacked = [
-        jnp.stack([ys[i][j] for i in range(length)])
-        if length
-        else jnp.zeros(v.aval.shape, v.aval.dtype)
-        for j, v in enumerate(eqn.outvars[n_carry:])
-    ]
-    return [*carry, *stacked]
-
-
-def _while(eqn, invals, iteration, inner):
-    p = eqn.params
-    cond_consts = invals[: p["cond_nconsts"]]
-    body_consts = invals[p["cond_nconsts"] : p["cond_nconsts"] + p["body_nconsts"]]
-    carry = invals[p["cond_nconsts"] + p["body_nconsts"] :]
-    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
-    i = 0
-    while bool(inner(cond.jaxpr, cond.consts, [*cond_consts, *carry], iteration)[0]):
-        carry = inner(body.jaxpr, body.consts, [*body_consts, *carry], (*iteration, i))
-        i += 1
-    return carry

@@ -1,6 +1,8 @@
 """quantization_stats: what NVFP4 quantization loses on a tensor, counted on
 tensors built so that every statistic is known exactly."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,3 +228,63 @@ def test_operand_stats_of_ragged_dot_pools_the_groups():
     assert x_rows["amax"] == max(float(a["amax"]) for a in alone)
     pooled = sum(float(a["underflow"]) * n for a, n in zip(alone, nonzero, strict=True))
     assert x_rows["underflow"] == pytest.approx(pooled / sum(nonzero), rel=1e-5)
+
+
+def test_operand_stats_takes_what_users_pass():
+    """Static arguments and an Equinox model's functions are closed over (only
+    arrays are traced), shard_map runs unmeasured, a jitted layer used twice
+    is two sites, one amax shared by several items is measured, and a NaN in
+    a 16x16 tile sets that tile aside."""
+    x, w = _operands()
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def scaled(x, w, factor):
+        return nv.dot(x, w, key=KEY) * factor
+
+    out, records = nv.statistics.operand_stats(scaled, x, w, 2.0)
+    assert out.shape == (32, 48) and len(records) == 2
+
+    layer = jax.jit(lambda h, w: nv.dot(h, w, key=KEY))
+    square = jnp.concatenate([w, w[:, :16]], axis=1)
+    _, records = nv.statistics.operand_stats(
+        lambda x, a, b: layer(layer(x, a), b), x, square, square
+    )
+    assert [r["site"] for r in records] == [0, 1, 2, 3]
+    assert [r["weight"] for r in records] == [False, True, False, True]
+
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded = jax.shard_map(
+        lambda x, w: nv.dot(x, w, recipe=nv.NVFP4_NO_SR, axis_name="d"),
+        mesh=mesh,
+        in_specs=(jax.P("d"), jax.P()),
+        out_specs=jax.P("d"),
+    )
+    out, records = nv.statistics.operand_stats(jax.jit(sharded), x, w)
+    assert records == []  # inside shard_map nothing is measured
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(sharded)(x, w)))
+
+    items = jnp.ones((2, 32, 16))  # quantize along axis 1: one amax, two items
+    _, records = nv.statistics.operand_stats(
+        lambda x: nv.dequantize(nv.quantize(x, 1), jnp.float32), items
+    )
+    assert records and all(r["relative_error"] == 0.0 for r in records)
+
+    tile = jax.random.normal(jax.random.key(6), (32, 64)).at[3, 5].set(jnp.nan)
+    stats = nv.quantization_stats(tile, block="16x16")
+    assert np.isfinite(float(stats["relative_error"]))
+
+
+def test_operand_stats_of_an_equinox_model_with_function_fields():
+    eqx = pytest.importorskip("equinox")
+    import jax_nvfp4.equinox as nveqx
+
+    mlp = eqx.nn.MLP(32, 32, 64, depth=1, key=jax.random.key(0))
+    mlp = nveqx.convert(mlp, nv.policy.Policy(default=nv.NVFP4_NO_SR))
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+
+    def loss(model, x):
+        return jnp.sum(jax.vmap(model)(x) ** 2)
+
+    grads, records = nv.statistics.operand_stats(eqx.filter_grad(loss), mlp, x)
+    assert len(records) == 12  # two layers: x, w (rows, cols), dY
+    assert sum(r["weight"] for r in records) == 4

@@ -524,13 +524,15 @@ def plot_curves(csv_paths: Sequence[str], png_path: str) -> None:
     plt.close(fig)
 
 
-def _role(record: dict) -> str:
-    """What a measured operand is, from how the recipe quantizes it: a weight
-    (16x16 blocks), dY (stochastic rounding), else an activation (x, or dY
-    where the recipe rounds it to nearest)."""
-    if record["block"] == "16x16":
+def _role(record: dict, stochastic_dy: bool) -> str:
+    """What a measured operand is, from how the recipe quantizes it: a weight,
+    dY (rounded stochastically), x; where the recipe rounds dY to nearest
+    (``stochastic_dy`` False) x and dY look alike: "x|dY"."""
+    if record["weight"]:
         return "w"
-    return "dY" if record["stochastic"] else "x"
+    if record["stochastic"]:
+        return "dY"
+    return "x" if stochastic_dy else "x|dY"
 
 
 def write_operand_stats(path: str, grad_fn: Callable, *args, worst: int = 5) -> None:
@@ -539,8 +541,9 @@ def write_operand_stats(path: str, grad_fn: Callable, *args, worst: int = 5) -> 
     writes the records to ``path`` as JSON, and prints the ``worst`` sites by
     underflow (the largest over the layers of a stack)."""
     _, records = nv.statistics.operand_stats(grad_fn, *args)
+    stochastic_dy = any(r["stochastic"] for r in records)
     for r in records:
-        r["role"] = _role(r)
+        r["role"] = _role(r, stochastic_dy)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(records, f, indent=1)

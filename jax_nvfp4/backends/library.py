@@ -97,16 +97,20 @@ def runtime_ffi_api_version(include_dir: str | None = None) -> tuple[int, int] |
 
 def api_mismatch(built, runtime) -> str | None:
     """Why handlers built against XLA FFI API ``built`` cannot run on a jaxlib
-    of API ``runtime`` (XLA refuses handlers newer than itself, and then fails
-    to start the whole backend); None where they can or either is unknown."""
-    if built is None or runtime is None or tuple(built) <= tuple(runtime):
+    of API ``runtime`` (XLA refuses another major version or a newer minor
+    one, and then fails to start the whole backend); None where they can or
+    either is unknown."""
+    if built is None or runtime is None:
+        return None
+    # XLA takes handlers of its own major version and a minor no newer.
+    if built[0] == runtime[0] and built[1] <= runtime[1]:
         return None
     try:
         running = f"jaxlib {importlib.metadata.version('jaxlib')}, "
     except importlib.metadata.PackageNotFoundError:
         running = ""
     return (
-        "its handlers were built against the XLA FFI headers of a newer "
+        "its handlers were built against the XLA FFI headers of another "
         f"jaxlib (API {built[0]}.{built[1]}) than the one running ({running}API "
         f"{runtime[0]}.{runtime[1]}), which XLA refuses; rebuild against the "
         "installed jax with `pip install --no-build-isolation --no-deps "
@@ -132,6 +136,7 @@ def _load() -> dict[str, dict[str, object]]:
     built = ext.ffi_api_version() if hasattr(ext, "ffi_api_version") else None
     _refused = api_mismatch(built, runtime_ffi_api_version())
     if _refused:
+        _source = f"none: {ext.__file__} refused ({_refused})"
         return {}
     _source = ext.__file__
     return {"cpu": ext.cpu_registrations(), "CUDA": ext.cuda_registrations()}
@@ -192,11 +197,19 @@ def _why_missing(platform: str) -> str:
         return f"the extension at {extension().__file__} is unusable here: {_refused}"
     if _import_error is None and extension() is not None:
         ext = extension()
-        if getattr(ext, "cuda_build", lambda: "")() == "JAX_NVFP4_CUDA=OFF":
+        build = getattr(ext, "cuda_build", lambda: "")()
+        if build == "JAX_NVFP4_CUDA=OFF":
             return (
                 f"the extension at {ext.__file__} was built without CUDA, as "
                 "JAX_NVFP4_CUDA=OFF asked; reinstall without that setting where "
                 "nvcc is found to get the CUDA handlers"
+            )
+        if build == "nvcc unusable":
+            return (
+                f"the extension at {ext.__file__} was built without CUDA: nvcc "
+                "was found but CMake could not compile with it (an unsupported "
+                "host compiler, say); reinstall with `pip install -v .` to see "
+                "why, or with JAX_NVFP4_CUDA=ON to make that an error"
             )
         return (
             f"the extension at {ext.__file__} was built without CUDA "

@@ -79,7 +79,8 @@ def write_safetensors(
     # less the umask, as any new file (mkstemp's are private, which a serving
     # engine running as another user could not read).
     tmp = path.parent / f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    fd = os.open(tmp, flags, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(text)))
