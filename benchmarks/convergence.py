@@ -225,12 +225,7 @@ def operand_lines(directory: str, runs: list[dict], worst: int = 3) -> list[str]
             continue
         with open(path) as f:
             records = json.load(f)
-        sites = {}
-        for rec in records:
-            key = (rec["site"], rec["side"])
-            if key not in sites or rec["underflow"] > sites[key]["underflow"]:
-                sites[key] = rec
-        top = sorted(sites.values(), key=lambda rec: -rec["underflow"])[:worst]
+        top = train_common.worst_operands(records, worst)
         described = ", ".join(
             f"{rec['role']} {rec['side']} {list(rec['shape'])} layer "
             f"{list(rec['iteration'])}: underflow {100 * rec['underflow']:.1f}%, "

@@ -60,9 +60,7 @@ def _counts(x, axis, block, rht, amax, implementation):
     if block == "16x16":  # a tile's one scale spans 16 rows of blocks
         rows, blocks = clean.shape[-2:]
         tiles = clean.reshape(*clean.shape[:-2], rows // BLOCK_SIZE, BLOCK_SIZE, blocks)
-        tiles = jnp.all(tiles, axis=-2, keepdims=True)
-        clean = jnp.broadcast_to(tiles, tiles.shape[:-2] + (BLOCK_SIZE, blocks))
-        clean = clean.reshape(*clean.shape[:-3], rows, blocks)
+        clean = jnp.repeat(jnp.all(tiles, axis=-2), BLOCK_SIZE, axis=-2)
     values = jnp.where(clean[..., None], values.reshape(blocked), 0.0)
     decoded = jnp.where(clean[..., None], decoded.reshape(blocked), 0.0)
     nonzero = values != 0

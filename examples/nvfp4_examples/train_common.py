@@ -39,6 +39,7 @@ __all__ = [
     "plot_curves",
     "run_training",
     "summarize",
+    "worst_operands",
     "write_operand_stats",
 ]
 
@@ -535,6 +536,17 @@ def _role(record: dict, stochastic_dy: bool) -> str:
     return "x" if stochastic_dy else "x|dY"
 
 
+def worst_operands(records: Sequence[dict], count: int) -> list[dict]:
+    """The ``count`` quantized operands of ``write_operand_stats``' records
+    with the most underflow, each at its worst layer."""
+    sites: dict[tuple, dict] = {}
+    for r in records:
+        key = (r["site"], r["side"])
+        if key not in sites or r["underflow"] > sites[key]["underflow"]:
+            sites[key] = r
+    return sorted(sites.values(), key=lambda r: -r["underflow"])[:count]
+
+
 def write_operand_stats(path: str, grad_fn: Callable, *args, worst: int = 5) -> None:
     """Measures every operand the recipe quantizes in ``grad_fn(*args)`` (a
     model's gradient on one batch; ``jax_nvfp4.statistics.operand_stats``),
@@ -547,15 +559,10 @@ def write_operand_stats(path: str, grad_fn: Callable, *args, worst: int = 5) -> 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(records, f, indent=1)
-    sites: dict[tuple, dict] = {}
-    for r in records:
-        key = (r["site"], r["side"])
-        if key not in sites or r["underflow"] > sites[key]["underflow"]:
-            sites[key] = r
     print(f"operand statistics ({len(records)} quantizations) written to {path}")
     header = "  role side  shape                 iteration  underflow  zero-scale"
     print(header + "  rel. error")
-    for r in sorted(sites.values(), key=lambda r: -r["underflow"])[:worst]:
+    for r in worst_operands(records, worst):
         print(
             f"  {r['role']:4s} {r['side']:5s} {str(r['shape']):21s} "
             f"{str(r['iteration']):10s} {r['underflow']:9.4f}  "

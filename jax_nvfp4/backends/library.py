@@ -185,6 +185,27 @@ def _package_dir() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Why the extension has no CUDA handlers (``_ffi.cuda_build()``, recorded by
+# CMakeLists.txt), and what to do about it.
+_NO_CUDA = {
+    "JAX_NVFP4_CUDA=OFF": (
+        "as JAX_NVFP4_CUDA=OFF asked",
+        "reinstall without that setting where nvcc is found to get them",
+    ),
+    "nvcc unusable": (
+        "nvcc was found but CMake could not compile with it: an unsupported "
+        "host compiler, say",
+        "reinstall with `pip install -v .` to see why, or with "
+        "JAX_NVFP4_CUDA=ON to make that an error",
+    ),
+    "no nvcc": (
+        "nvcc was not found when it was built",
+        "reinstall with nvcc on PATH, or with JAX_NVFP4_CUDA=ON to make a "
+        "missing nvcc an error",
+    ),
+}
+
+
 def _why_missing(platform: str) -> str:
     """Why ``platform`` has no handlers, and what to do about it."""
     package = _package_dir()
@@ -198,24 +219,8 @@ def _why_missing(platform: str) -> str:
     if _import_error is None and extension() is not None:
         ext = extension()
         build = getattr(ext, "cuda_build", lambda: "")()
-        if build == "JAX_NVFP4_CUDA=OFF":
-            return (
-                f"the extension at {ext.__file__} was built without CUDA, as "
-                "JAX_NVFP4_CUDA=OFF asked; reinstall without that setting where "
-                "nvcc is found to get the CUDA handlers"
-            )
-        if build == "nvcc unusable":
-            return (
-                f"the extension at {ext.__file__} was built without CUDA: nvcc "
-                "was found but CMake could not compile with it (an unsupported "
-                "host compiler, say); reinstall with `pip install -v .` to see "
-                "why, or with JAX_NVFP4_CUDA=ON to make that an error"
-            )
-        return (
-            f"the extension at {ext.__file__} was built without CUDA "
-            "(nvcc was not found when it was built); reinstall with nvcc on "
-            "PATH, or with JAX_NVFP4_CUDA=ON to make a missing nvcc an error"
-        )
+        why, fix = _NO_CUDA.get(build, _NO_CUDA["no nvcc"])
+        return f"the extension at {ext.__file__} was built without CUDA ({why}); {fix}"
     source_tree = os.path.exists(
         os.path.join(os.path.dirname(package), "pyproject.toml")
     )

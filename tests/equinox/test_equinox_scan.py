@@ -375,26 +375,30 @@ def test_llama_equinox_bf16_tail_stack_needs_no_switch():
     assert found["nvfp4_matmul"]
 
 
+def _built_example(*flags):
+    """The example's model for a tiny size and these flags, as its command
+    line builds it."""
+    import argparse
+
+    from nvfp4_examples import train_common
+
+    parser = argparse.ArgumentParser()
+    train_common.add_common_flags(parser)
+    parser.add_argument("--attention", default="xla")
+    parser.add_argument("--remat", default="none")
+    args = parser.parse_args(
+        ["--layers", "2", "--d-model", "32", "--heads", "2", "--ffn", "64", *flags]
+    )
+    return _example().build(args)[0]
+
+
 @pytest.mark.parametrize(
     "layers, attention_in_nvfp4", [("mlp", False), ("mlp+attn", True)]
 )
 def test_llama_equinox_nvfp4_layers_flag(layers, attention_in_nvfp4):
     """--nvfp4-layers: the MLPs alone (the recipe's choice), or the attention
     projections too (benchmarks/convergence.py's nvfp4_attn run)."""
-    import argparse
-
-    from nvfp4_examples import train_common
-
-    example = _example()
-    parser = argparse.ArgumentParser()
-    train_common.add_common_flags(parser)
-    parser.add_argument("--attention", default="xla")
-    parser.add_argument("--remat", default="fp4")
-    args = parser.parse_args(
-        ["--layers", "2", "--d-model", "32", "--heads", "2", "--ffn", "64"]
-        + ["--nvfp4-layers", layers]
-    )
-    model = example.build(args)[0]
+    model = _built_example("--nvfp4-layers", layers)
     assert isinstance(model.layers.mlp.up_proj, nveqx.Linear)
     converted = isinstance(model.layers.attn.q_proj, nveqx.Linear)
     assert converted == attention_in_nvfp4
@@ -409,24 +413,10 @@ def test_llama_equinox_ablation_precisions(precision):
     """--precision's ablations (benchmarks/convergence.py's runs that find why
     a bound fails): the converted layers carry that recipe, and the gradient
     runs one NVFP4 GEMM fewer per layer where a GEMM is kept in bf16."""
-    import argparse
-
     from nvfp4_examples import train_common
 
     example = _example()
-
-    def built(name):
-        parser = argparse.ArgumentParser()
-        train_common.add_common_flags(parser)
-        parser.add_argument("--attention", default="xla")
-        parser.add_argument("--remat", default="none")
-        args = parser.parse_args(
-            ["--layers", "2", "--d-model", "32", "--heads", "2", "--ffn", "64"]
-            + ["--precision", name]
-        )
-        return example.build(args)[0]
-
-    model = built(precision)
+    model = _built_example("--precision", precision)
     assert model.layers.mlp.up_proj.recipe == train_common.PRECISIONS[precision]
     batch = jnp.arange(2 * 17, dtype=jnp.int32).reshape(2, 17) % 256
 
@@ -437,7 +427,7 @@ def test_llama_equinox_ablation_precisions(precision):
         return len(_primitives(grad, m).get("nvfp4_matmul", [])), grad(m)
 
     count, grads = gemms(model)
-    full_count, _ = gemms(built("nvfp4"))
+    full_count, _ = gemms(_built_example("--precision", "nvfp4"))
     kept_in_bf16 = precision.startswith("nvfp4_bf16_")
     assert count == (2 * full_count // 3 if kept_in_bf16 else full_count)
     for leaf in jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array)):
